@@ -1,0 +1,1 @@
+"""Readers for published drafter checkpoint layouts (installed as ``hf_specdec.conversions``)."""

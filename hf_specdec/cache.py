@@ -1,0 +1,157 @@
+"""KV caches that can be cut back to the accepted drafts.
+
+The loop keeps one cache *column* per token that was fed to a model. Rows of a batch accept different numbers of
+tokens per step, so after a step some rows have *holes*: columns that are masked out for that row. The
+:class:`CacheLayout` records, per row and column, whether the column holds a real token, its position id and its
+token id; the attention mask of every later forward is built from it (``tree.build_attention_mask``). Batch size 1
+never has holes. When holes waste too much room, :func:`compact` moves every row's real columns to the right
+(left padding again).
+
+Sliding-window layers are stored as full layers: their window is enforced by the mask, by position id, exactly as
+plain ``generate()`` does it for left-padded batches. That keeps every layer croppable and every column addressable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+
+
+class UnsupportedCacheError(ValueError):
+    pass
+
+
+def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
+    """A fresh, empty cache of the same kind as ``cache`` (dynamic unless it is static) that the loop can edit.
+
+    ``capacity`` is the number of columns a static cache must hold.
+    """
+    if cache is not None:
+        if cache.get_seq_length() > 0:
+            raise UnsupportedCacheError(
+                "Speculative decoding starts from an empty cache; a pre-filled `cache`/`past_key_values` is not "
+                "supported. Pass the full prompt instead."
+            )
+        # sliding-window layers are replaced by full ones below, so only the layer kinds matter here
+        if not all(type(layer).__name__ in _EDITABLE for layer in cache.layers):
+            kinds = sorted({type(layer).__name__ for layer in cache.layers})
+            raise UnsupportedCacheError(
+                f"Speculative decoding needs a KV cache whose rejected rows can be cut back, got {type(cache).__name__}"
+                f" with layers {kinds}. Use the default dynamic cache or cache_implementation='static'."
+            )
+    if isinstance(cache, StaticCache):
+        new = StaticCache(config=model.config, max_cache_len=capacity)
+        new.layers = [StaticLayer(max_cache_len=capacity) for _ in new.layers]
+        return new
+    return DynamicCache()
+
+
+_EDITABLE = {
+    DynamicLayer.__name__,
+    DynamicSlidingWindowLayer.__name__,
+    StaticLayer.__name__,
+    StaticSlidingWindowLayer.__name__,
+}
+
+
+def is_static(cache: Cache) -> bool:
+    return bool(cache.layers) and isinstance(cache.layers[0], StaticLayer)
+
+
+def cache_length(cache: Cache) -> int:
+    return int(cache.get_seq_length())
+
+
+def crop(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` columns."""
+    extra = cache_length(cache) - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def keep_columns(cache: Cache, start: int, index: torch.LongTensor) -> None:
+    """Keep, for each row ``b``, the columns ``start + index[b, j]`` at ``start + j``; drop everything after.
+
+    ``index`` is ``[B, m]``. Used to keep the accepted path of a tree (the path nodes are columns ``start + node``).
+    """
+    m = index.shape[1]
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        keys, values = layer.keys, layer.values
+        idx = index.to(keys.device)
+        if isinstance(layer, StaticLayer):
+            for buf in (keys, values):
+                picked = buf[:, :, start:].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
+                buf[:, :, start:start + m] = picked
+            layer.cumulative_length.fill_(start + m)
+        else:
+            def pick(buf):
+                return buf[:, :, start:].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
+            layer.keys = torch.cat([keys[:, :, :start], pick(keys)], dim=2)
+            layer.values = torch.cat([values[:, :, :start], pick(values)], dim=2)
+
+
+def gather_columns(cache: Cache, index: torch.LongTensor) -> None:
+    """Rebuild every row from the columns ``index[b, :]`` (``[B, T']``); the cache then holds ``T'`` columns."""
+    length = index.shape[1]
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        idx = index.to(layer.keys.device)
+        if isinstance(layer, StaticLayer):
+            for buf in (layer.keys, layer.values):
+                picked = buf.gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
+                buf[:, :, :length] = picked
+            layer.cumulative_length.fill_(length)
+        else:
+            layer.keys = layer.keys.gather(2, idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
+            layer.values = layer.values.gather(
+                2, idx[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
+            )
+
+
+@dataclass
+class CacheLayout:
+    """Per-row bookkeeping of the cache columns: ``valid``, ``positions`` and ``tokens``, each ``[B, T]``."""
+
+    valid: torch.BoolTensor
+    positions: torch.LongTensor
+    tokens: torch.LongTensor
+
+    @property
+    def length(self) -> int:
+        return self.valid.shape[1]
+
+    def append(self, valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor) -> None:
+        self.valid = torch.cat([self.valid, valid], dim=1)
+        self.positions = torch.cat([self.positions, positions], dim=1)
+        self.tokens = torch.cat([self.tokens, tokens], dim=1)
+
+    def real_counts(self) -> torch.LongTensor:
+        return self.valid.sum(1)
+
+    def compaction_index(self) -> torch.LongTensor:
+        """``[B, T']`` column indices that move every row's real columns to the right (left padding)."""
+        counts = self.real_counts()
+        width = int(counts.max())
+        # stable order of real columns, right-aligned: sort key puts holes first, real columns after in order
+        order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)
+        return order[:, -width:] if width > 0 else order[:, :0]
+
+    def gather(self, index: torch.LongTensor) -> "CacheLayout":
+        return CacheLayout(
+            valid=self.valid.gather(1, index),
+            positions=self.positions.gather(1, index),
+            tokens=self.tokens.gather(1, index),
+        )

@@ -1,0 +1,106 @@
+"""Measured forward costs and the draft-length rule built on them.
+
+A verification forward over ``q`` new tokens costs ``c(q)`` times a one-token decoding step (on this 2-core CPU
+about 1.1x for q=2, 1.5x for q=4, 1.9x for q=8; on a GPU close to 1 up to dozens of tokens). A draft of ``k``
+tokens, each accepted with probability ``alpha`` given the previous one was, commits on average
+``1 + alpha + ... + alpha^k`` tokens. The loop measures ``c(q)`` while it runs (:class:`ForwardCostModel`) and a
+proposer picks the ``k`` that maximises tokens per unit of time (:func:`best_draft_length`), drafting nothing when
+no ``k`` beats a plain step: that is what keeps a method from slowing down text it cannot predict.
+"""
+
+from __future__ import annotations
+
+import math
+
+# Relative cost of a q-token forward over a ~256-token cache vs q=1, SmolLM2-135M fp32 on the 2-core CPU
+# (../shared/reference/offline-models-and-data.md): used until the loop has measured its own.
+_CPU_PRIOR = {1: 1.0, 2: 1.11, 4: 1.53, 8: 1.92, 16: 2.06, 32: 2.47, 64: 3.4}
+_GPU_PRIOR = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.15, 64: 1.4}
+
+
+def _interp(table: dict[int, float], q: int) -> float:
+    keys = sorted(table)
+    if q <= keys[0]:
+        return table[keys[0]]
+    if q >= keys[-1]:
+        return table[keys[-1]] * q / keys[-1]
+    for lo, hi in zip(keys, keys[1:]):
+        if lo <= q <= hi:
+            t = (math.log2(q) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+            return table[lo] + t * (table[hi] - table[lo])
+    return table[keys[-1]]  # pragma: no cover
+
+
+class ForwardCostModel:
+    """Running estimate of the time of a target forward over ``q`` new tokens (exponential moving averages)."""
+
+    def __init__(self, device_type: str = "cpu", decay: float = 0.8):
+        self.prior = _GPU_PRIOR if device_type == "cuda" else _CPU_PRIOR
+        self.decay = decay
+        self.seconds: dict[int, float] = {}
+
+    def record(self, q: int, seconds: float) -> None:
+        old = self.seconds.get(q)
+        self.seconds[q] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+
+    def relative(self, q: int) -> float:
+        """Cost of a ``q``-token forward in units of a one-token forward."""
+        if q <= 1:
+            return 1.0
+        base = self.seconds.get(1)
+        if base and q in self.seconds:
+            return max(self.seconds[q] / base, 1.0)
+        prior = _interp(self.prior, q)
+        if base:
+            # scale the prior by how the measured sizes compare with it
+            ratios = [self.seconds[k] / base / _interp(self.prior, k) for k in self.seconds if k > 1]
+            if ratios:
+                prior *= sum(ratios) / len(ratios)
+        return max(prior, 1.0)
+
+    def step_seconds(self) -> float | None:
+        return self.seconds.get(1)
+
+
+class AcceptanceEstimator:
+    """Per-key estimate of ``alpha``, the probability that a draft is accepted given the previous one was.
+
+    Counts decay so that the estimate follows the text (a copied passage, then free prose).
+    """
+
+    def __init__(self, prior_alpha: float = 0.4, prior_weight: float = 2.0, decay: float = 0.9):
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.counts: dict[object, list[float]] = {}
+
+    def alpha(self, key, prior_alpha: float | None = None) -> float:
+        prior = self.prior_alpha if prior_alpha is None else prior_alpha
+        acc, tried = self.counts.get(key, (0.0, 0.0))
+        return (acc + prior * self.prior_weight) / (tried + self.prior_weight)
+
+    def update(self, key, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        entry = self.counts.setdefault(key, [0.0, 0.0])
+        entry[0] = entry[0] * self.decay + accepted
+        entry[1] = entry[1] * self.decay + min(accepted + 1, proposed)
+
+
+def best_draft_length(alpha: float, max_len: int, cost: ForwardCostModel, draft_cost: float = 0.0,
+                      min_gain: float = 1.0) -> int:
+    """The draft length ``k`` in ``0..max_len`` that maximises expected committed tokens per unit of time.
+
+    ``draft_cost`` is the cost of drafting one token in units of a one-token target forward. Returns 0 (a plain
+    step) unless some ``k`` is expected to beat a plain step by the factor ``min_gain``.
+    """
+    alpha = min(max(alpha, 0.0), 0.999)
+    best_k, best_rate = 0, 1.0 * min_gain
+    expected, term = 1.0, 1.0
+    for k in range(1, max_len + 1):
+        term *= alpha
+        expected += term
+        rate = expected / (cost.relative(k + 1) + k * draft_cost)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k

@@ -1,0 +1,92 @@
+"""Place the method folders in the local Hugging Face cache (offline), or publish them to the Hub.
+
+After ``hf-specdec install-hub-cache`` the exact call
+``model.generate(..., custom_generate="hf_specdec/prompt_lookup", trust_remote_code=True)`` works from any
+directory without network: transformers finds the repository ``hf_specdec/prompt_lookup`` in the cache, as if it had
+been downloaded (``HF_HUB_OFFLINE=1`` or not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from .entry import available_methods, custom_generate_path
+
+DEFAULT_ORG = "hf_specdec"
+
+
+def _method_files(method: str) -> dict[str, bytes]:
+    root = Path(custom_generate_path(method))
+    files = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            files[path.relative_to(root).as_posix()] = path.read_bytes()
+    if "custom_generate/generate.py" not in files:
+        raise FileNotFoundError(f"{root} has no custom_generate/generate.py")
+    return files
+
+
+def install_hub_cache(cache_dir: str | os.PathLike | None = None, org: str = DEFAULT_ORG,
+                      methods: list[str] | None = None, verbose: bool = True) -> list[Path]:
+    """Write ``<org>/<method>`` repositories into the Hub cache (``$HF_HUB_CACHE`` by default).
+
+    The layout is huggingface_hub's: ``models--<org>--<method>/{blobs,snapshots/<commit>,refs/main}``, the commit
+    hash derived from the files so that re-installing identical files is a no-op. Returns the snapshot folders.
+    """
+    from huggingface_hub import constants
+
+    cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
+    snapshots = []
+    for method in methods or available_methods():
+        files = _method_files(method)
+        digest = hashlib.sha1()
+        for name, data in files.items():
+            digest.update(name.encode() + b"\0" + data)
+        commit = digest.hexdigest()
+        repo = cache / f"models--{org}--{method}"
+        snapshot = repo / "snapshots" / commit
+        for name, data in files.items():
+            blob_id = hashlib.sha256(data).hexdigest()
+            blob = repo / "blobs" / blob_id
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            if not blob.exists():
+                blob.write_bytes(data)
+            target = snapshot / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists() or target.is_symlink():
+                target.unlink()
+            try:
+                target.symlink_to(os.path.relpath(blob, target.parent))
+            except OSError:  # filesystems without symlinks
+                shutil.copyfile(blob, target)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        snapshots.append(snapshot)
+        if verbose:
+            print(f"installed {org}/{method} -> {snapshot}")
+    return snapshots
+
+
+def publish(org: str = DEFAULT_ORG, methods: list[str] | None = None, token: str | None = None,
+            private: bool = False, dry_run: bool = False) -> list[str]:
+    """Create (or update) one Hub repository per method with its folder (needs network and a write token)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    urls = []
+    for method in methods or available_methods():
+        repo_id = f"{org}/{method}"
+        folder = custom_generate_path(method)
+        if dry_run:
+            print(f"would upload {folder} -> https://huggingface.co/{repo_id}")
+            urls.append(repo_id)
+            continue
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=["__pycache__/*", "*.pyc"],
+                                 commit_message="Update hf_specdec custom_generate method")
+        urls.append(str(info))
+        print(f"published {repo_id}")
+    return urls

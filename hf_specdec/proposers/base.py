@@ -1,0 +1,50 @@
+"""The proposer interface: the only part of the loop a method writes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import DecodingState
+    from ..tree import DraftTree
+    from ..verify import AcceptResult
+
+
+class Proposer:
+    """Drafts tokens for the decoding loop (:func:`hf_specdec.engine.speculative_decode`).
+
+    Life cycle inside one ``generate`` call: ``begin`` after the target's prefill, then per step ``propose`` ->
+    (target verifies) -> ``commit``; ``end`` once. A proposer keeps its own state (a drafter KV cache, n-gram
+    statistics) and nothing global.
+
+    Attributes:
+        target_hidden_states: indices into the target's ``hidden_states`` tuple (``0`` = embeddings, ``i`` = output of
+            layer ``i``) that the proposer needs from every target forward, or ``None``. They arrive in
+            ``begin``/``commit`` through ``state.hidden_states``.
+        max_nodes: upper bound of the tree size ``N`` it proposes (root included); sizes static caches.
+        name: the method name used in statistics and error messages.
+    """
+
+    target_hidden_states: list[int] | None = None
+    max_nodes: int = 1
+    name: str = "proposer"
+
+    def begin(self, state: "DecodingState") -> None:
+        """Called once after the target's prefill (the first token is already committed)."""
+
+    def propose(self, state: "DecodingState") -> "DraftTree | None":
+        """Return the drafts for every row (``None``: no drafts, a plain decoding step).
+
+        Rows with ``state.max_drafts[b] == 0`` (inactive or out of budget) must get no drafts; the tree depth of
+        row ``b`` must not exceed ``state.max_drafts[b]``.
+        """
+        raise NotImplementedError
+
+    def commit(self, state: "DecodingState", tree: "DraftTree", result: "AcceptResult") -> None:
+        """Called after every verification with what was kept (the target cache is already cut back)."""
+
+    def on_compact(self, state: "DecodingState", index) -> None:
+        """The target cache columns were rebuilt from ``index`` ``[B, T']``; re-align any state that mirrors them."""
+
+    def end(self, state: "DecodingState") -> None:
+        """Called once when the generate call finishes."""

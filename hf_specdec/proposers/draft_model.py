@@ -1,0 +1,150 @@
+"""Draft-model speculative decoding: a small causal LM with the target's tokenizer drafts a chain."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .. import cache as cache_ops
+from ..costs import AcceptanceEstimator, best_draft_length
+from ..tree import DraftTree, build_attention_mask
+from .base import Proposer
+
+
+def check_same_vocabulary(target, drafter, what: str = "drafter") -> None:
+    """A drafter must speak the target's token ids: same (text) vocabulary size."""
+    t_vocab = target.config.get_text_config().vocab_size
+    d_cfg = drafter.config.get_text_config() if hasattr(drafter.config, "get_text_config") else drafter.config
+    d_vocab = getattr(d_cfg, "vocab_size", None)
+    if d_vocab != t_vocab:
+        raise ValueError(
+            f"The {what} has a vocabulary of {d_vocab} tokens but the target has {t_vocab}: it was made for another "
+            "tokenizer. Use a drafter trained with the target's tokenizer (e.g. `hf-specdec train draft`), or "
+            "transformers' universal assisted decoding (assistant_model= with tokenizer= and assistant_tokenizer=, "
+            "without custom_generate)."
+        )
+
+
+class DraftModelProposer(Proposer):
+    """Drafts a chain with a small causal LM; its KV cache is kept up to the last accepted token.
+
+    The drafter's cache mirrors the target cache's column layout (same holes in a batch), so after a step it keeps
+    every column the target kept that it has already computed, and only the tokens it has not seen (the root, and
+    the last accepted draft when a whole chain was accepted) are fed at the next step.
+
+    Args:
+        drafter: a causal LM with the target's vocabulary.
+        num_tokens: fixed draft length; ``None`` picks the length per step from the measured costs of drafter and
+            target and the running acceptance rate (up to ``max_tokens``).
+    """
+
+    name = "assisted"
+
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 12):
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}.")
+        self.drafter = drafter
+        self.num_tokens = num_tokens
+        self.max_tokens = num_tokens if num_tokens is not None else max_tokens
+        self.max_nodes = self.max_tokens + 1
+
+    def begin(self, state) -> None:
+        check_same_vocabulary(state.model, self.drafter)
+        self.cache = DynamicCache()
+        self.synced = 0  # target layout columns already in the drafter cache
+        self.fed = 0  # columns the drafter added beyond `synced` in the last propose
+        self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
+        self.token_seconds = None  # measured time of one single-token drafter forward
+        t_params = sum(p.numel() for p in state.model.parameters())
+        d_params = sum(p.numel() for p in self.drafter.parameters())
+        self.prior_cost = 0.05 + d_params / max(t_params, 1)
+        self.dtype = self.drafter.dtype
+        self.device = self.drafter.device
+
+    def _draft_cost(self, state) -> float:
+        step = state.cost_model.step_seconds()
+        if self.token_seconds is None or not step:
+            return self.prior_cost
+        return self.token_seconds / step
+
+    def _forward(self, state, tokens, positions, past_valid, past_pos, new_attends):
+        mask = build_attention_mask(self.drafter.config, past_valid.to(self.device), past_pos.to(self.device),
+                                    positions.to(self.device), new_attends.to(self.device), self.dtype)
+        out = self.drafter(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
+                           cache=self.cache, use_cache=True, return_dict=True, logits_to_keep=1)
+        return out.logits[:, -1].float().to(state.device)
+
+    def propose(self, state):
+        bsz = state.batch_size
+        budgets = [min(m, self.max_tokens) for m in state.max_drafts]
+        if self.num_tokens is None:
+            want = best_draft_length(self.estimator.alpha("all"), max(budgets), state.cost_model,
+                                     draft_cost=self._draft_cost(state))
+        else:
+            want = max(budgets)
+        k = min(want, max(budgets))
+        if k <= 0:
+            self.fed = 0
+            return None
+        layout = state.layout
+        past = self.synced
+        roots = state.roots()
+        # feed the committed columns the drafter has not seen (same holes as the target), then the root
+        tokens = torch.cat([layout.tokens[:, past:], roots[:, None]], dim=1)
+        positions = torch.cat([layout.positions[:, past:], state.root_positions[:, None]], dim=1)
+        new_valid = torch.cat([layout.valid[:, past:], torch.ones(bsz, 1, dtype=torch.bool, device=state.device)], 1)
+        n_new = tokens.shape[1]
+        causal = torch.ones(n_new, n_new, dtype=torch.bool, device=state.device).tril()
+        attends = causal[None] & new_valid[:, None, :]
+        process = state.process_fn()
+        prefixes = [state.prefix(b) for b in range(bsz)]
+        ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
+        drafts, probs = [], []
+        logits = self._forward(state, tokens, positions, layout.valid[:, :past], layout.positions[:, :past], attends)
+        for i in range(k):
+            if i > 0:
+                # the drafter cache now holds the committed columns, the root and drafts[:i-1]
+                past_pos = torch.cat([layout.positions,
+                                      state.root_positions[:, None] + torch.arange(i, device=state.device)], 1)
+                t1 = time.perf_counter()
+                logits = self._forward(state, drafts[-1][:, None], state.root_positions[:, None] + i,
+                                       torch.cat([layout.valid, ones[:, :i]], 1), past_pos, ones[:, :1, None])
+                elapsed = time.perf_counter() - t1
+                self.token_seconds = elapsed if self.token_seconds is None else 0.8 * self.token_seconds + 0.2 * elapsed
+            if process is not None:
+                logits = torch.cat([
+                    process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])
+                    for b in range(bsz)
+                ])
+            if state.do_sample:
+                p = torch.softmax(logits, dim=-1)
+                nxt = torch.multinomial(p, 1)[:, 0]
+                probs.append(p)
+            else:
+                nxt = logits.argmax(-1)
+            drafts.append(nxt)
+        self.fed = k  # the root and drafts[:k-1] were added beyond the committed columns
+        drafts_t = torch.stack(drafts, dim=1)
+        counts = torch.tensor(budgets, device=state.device).clamp(max=k)
+        draft_probs = torch.stack(probs, dim=1) if probs else None
+        return DraftTree.chain(roots, drafts_t, counts, draft_probs)
+
+    def commit(self, state, tree, result) -> None:
+        fed, self.fed = self.fed, 0
+        if fed == 0:
+            return
+        past = state.layout.length - max(len(p) for p in result.paths)  # columns before this step
+        proposed = (tree.valid.sum(1) - 1).tolist()
+        for b, n_acc in enumerate(result.num_accepted):
+            if result.paths[b] and proposed[b] > 0:
+                self.estimator.update("all", proposed[b], n_acc)
+        keep = min(fed, state.layout.length - past)
+        self.synced = past + keep
+        cache_ops.crop(self.cache, self.synced)
+
+    def on_compact(self, state, index) -> None:
+        self.cache = DynamicCache()
+        self.synced = 0
+        self.fed = 0

@@ -1,0 +1,97 @@
+"""Prompt lookup decoding: drafts copied from earlier in the prompt or the output."""
+
+from __future__ import annotations
+
+import torch
+
+from ..costs import AcceptanceEstimator, best_draft_length
+from ..tree import DraftTree
+from .base import Proposer
+
+
+def find_continuation(seq: torch.LongTensor, max_ngram: int, min_ngram: int, max_tokens: int):
+    """The tokens that followed the most recent earlier occurrence of the longest suffix n-gram of ``seq``.
+
+    Returns ``(n, tokens)`` with ``n`` the matched n-gram size, or ``(0, None)`` when no suffix n-gram of size
+    ``min_ngram..max_ngram`` occurred before.
+    """
+    length = seq.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = seq[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token
+        hits = (windows == seq[-n:]).all(dim=1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return n, seq[start:start + max_tokens]
+    return 0, None
+
+
+class PromptLookupProposer(Proposer):
+    """Drafts by n-gram lookup (Saxena, 2023): longest suffix n-gram first, most recent match.
+
+    Args:
+        num_tokens: the most drafts per step (``prompt_lookup_num_tokens``).
+        max_ngram: the longest suffix n-gram tried (``max_matching_ngram_size``).
+        min_ngram: the shortest.
+        adaptive: pick the draft length per step from the measured cost of verification and the running acceptance
+            rate of matches of that n-gram size, drafting nothing when no length pays off (so text that does not
+            copy runs at the speed of plain decoding). ``False`` drafts the whole match up to ``num_tokens``.
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, adaptive: bool = True):
+        if num_tokens < 1:
+            raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num_tokens}.")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"Need 1 <= min n-gram size <= max_matching_ngram_size, got {min_ngram}, {max_ngram}.")
+        self.num_tokens = num_tokens
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.adaptive = adaptive
+        self.max_nodes = num_tokens + 1
+
+    def begin(self, state) -> None:
+        self.estimator = AcceptanceEstimator(prior_alpha=0.35, prior_weight=2.0, decay=0.9)
+        self.streak = [False] * state.batch_size
+        self.keys: list = [None] * state.batch_size
+
+    @staticmethod
+    def _prior(key) -> float:
+        n, streak = key
+        return 0.75 if streak else {1: 0.2, 2: 0.35}.get(n, 0.5)
+
+    def propose(self, state):
+        bsz = state.batch_size
+        drafts: list[list[int]] = [[] for _ in range(bsz)]
+        for b in range(bsz):
+            self.keys[b] = None
+            budget = min(state.max_drafts[b], self.num_tokens)
+            if budget <= 0:
+                continue
+            n, cont = find_continuation(state.row_tokens(b), self.max_ngram, self.min_ngram, budget)
+            if n == 0 or cont.numel() == 0:
+                continue
+            k = cont.numel()
+            if self.adaptive:
+                key = (n, self.streak[b])
+                k = best_draft_length(self.estimator.alpha(key, self._prior(key)), k, state.cost_model)
+                self.keys[b] = key
+            drafts[b] = cont[:k].tolist()
+        width = max(len(d) for d in drafts)
+        if width == 0:
+            return None
+        padded = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
+        for b, d in enumerate(drafts):
+            if d:
+                padded[b, : len(d)] = torch.tensor(d, device=state.device)
+        counts = torch.tensor([len(d) for d in drafts], device=state.device)
+        return DraftTree.chain(state.roots(), padded, counts)
+
+    def commit(self, state, tree, result) -> None:
+        proposed = (tree.valid.sum(1) - 1).tolist()
+        for b, n_acc in enumerate(result.num_accepted):
+            if not result.paths[b]:
+                continue
+            if self.keys[b] is not None:
+                self.estimator.update(self.keys[b], proposed[b], n_acc)
+            self.streak[b] = proposed[b] > 0 and n_acc == proposed[b]

@@ -1,0 +1,170 @@
+"""Draft trees and the attention masks that verify them.
+
+A proposer returns a :class:`DraftTree` for every row of the batch. Node 0 of every row is the *root*: the last
+committed token, which is not in the target's KV cache yet. Every other node is a draft token whose parent is an
+earlier node. A chain of ``k`` drafts is the tree ``parents = [-1, 0, 1, ..., k-1]``; chains and trees share one code
+path in the verifier, with a fast path for chains.
+
+The target verifies the whole tree in one forward pass: node ``i`` sits at position ``root_position + depth[i]`` and
+attends to the committed cache columns of its row and to its own ancestors in the tree (itself included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, one per row, padded to the same number of nodes.
+
+    Args:
+        tokens: ``[B, N]`` token ids; column 0 is the root (last committed token) of each row.
+        parents: ``[B, N]`` index of each node's parent; ``-1`` for the root. Parents come before children.
+        valid: ``[B, N]`` False for padding nodes (rows with fewer drafts than the widest row).
+        draft_probs: optional ``[B, N, V]``: the distribution node ``i`` was *sampled* from (the drafter's
+            distribution at its parent, after logits processors). ``None`` means the drafts are deterministic
+            (argmax, top-k or copied n-grams); the sampling verifier then uses the rule that is exact for
+            deterministic drafts.
+        is_chain: True when every row is a chain ``0 <- 1 <- 2 ...`` (enables the fast verification path).
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    valid: torch.BoolTensor
+    draft_probs: torch.Tensor | None = None
+    is_chain: bool = False
+    _depths: torch.LongTensor | None = field(default=None, repr=False)
+    _ancestors: torch.BoolTensor | None = field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def chain(cls, root: torch.LongTensor, drafts: torch.LongTensor | None = None,
+              num_drafts: torch.LongTensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        """A chain per row: ``root [B]``, ``drafts [B, k]`` of which the first ``num_drafts[b]`` are real.
+
+        ``draft_probs`` (optional) is ``[B, k, V]``: the distribution each draft was sampled from.
+        """
+        bsz = root.shape[0]
+        device = root.device
+        if drafts is None:
+            drafts = root.new_zeros((bsz, 0))
+        k = drafts.shape[1]
+        tokens = torch.cat([root[:, None], drafts], dim=1)
+        parents = (torch.arange(k + 1, device=device) - 1).expand(bsz, k + 1)
+        if num_drafts is None:
+            valid = torch.ones(bsz, k + 1, dtype=torch.bool, device=device)
+        else:
+            valid = torch.arange(k + 1, device=device)[None, :] <= num_drafts.to(device)[:, None]
+        probs = None
+        if draft_probs is not None:
+            probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
+        depths = torch.arange(k + 1, device=device).expand(bsz, k + 1)
+        return cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
+
+    @property
+    def depths(self) -> torch.LongTensor:
+        """``[B, N]`` depth of every node (root = 0)."""
+        if self._depths is None:
+            depths = torch.zeros_like(self.parents)
+            # parents come before children, so one pass in node order is enough
+            for i in range(1, self.num_nodes):
+                depths[:, i] = depths.gather(1, self.parents[:, i:i + 1].clamp(min=0))[:, 0] + 1
+            self._depths = depths
+        return self._depths
+
+    @property
+    def ancestors(self) -> torch.BoolTensor:
+        """``[B, N, N]``: ``ancestors[b, i, j]`` is True when node ``j`` is node ``i`` or one of its ancestors."""
+        if self._ancestors is None:
+            n = self.num_nodes
+            device = self.tokens.device
+            if self.is_chain:
+                anc = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(self.batch_size, n, n)
+            else:
+                anc = torch.eye(n, dtype=torch.bool, device=device).repeat(self.batch_size, 1, 1)
+                for i in range(1, n):
+                    parent = self.parents[:, i].clamp(min=0)
+                    anc[:, i] |= anc[torch.arange(self.batch_size, device=device), parent]
+            self._ancestors = anc & self.valid[:, None, :]
+        return self._ancestors
+
+    def children(self, b: int) -> list[list[int]]:
+        """Children of every node of row ``b``, in node order (the order drafts are tried when sampling)."""
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        parents = self.parents[b].tolist()
+        valid = self.valid[b].tolist()
+        for i in range(1, self.num_nodes):
+            if valid[i]:
+                kids[parents[i]].append(i)
+        return kids
+
+    def path_to(self, b: int, node: int) -> list[int]:
+        """Node indices from the root to ``node`` (both included) in row ``b``."""
+        parents = self.parents[b].tolist()
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        return path[::-1]
+
+
+def build_attention_mask(
+    config,
+    past_valid: torch.BoolTensor,
+    past_positions: torch.LongTensor,
+    new_positions: torch.LongTensor,
+    new_attends_new: torch.BoolTensor,
+    dtype: torch.dtype,
+    kv_width: int | None = None,
+):
+    """The additive 4D attention mask for ``n`` new tokens appended after ``T`` cached columns.
+
+    Args:
+        config: the model config; decides whether a ``{"full_attention", "sliding_attention"}`` mapping is needed.
+        past_valid: ``[B, T]`` True where a cached column holds a real token (False: padding or a hole).
+        past_positions: ``[B, T]`` position id of each cached column.
+        new_positions: ``[B, n]`` position ids of the new tokens.
+        new_attends_new: ``[B, n, n]`` which new tokens each new token may see (tree ancestors, itself included).
+        dtype: dtype of the attention scores (the model's dtype).
+        kv_width: total key length the attention will see (static caches: their full length); defaults to ``T + n``.
+
+    Returns a ``[B, 1, n, kv_width]`` float tensor (0 = attend, finfo.min = masked), or a dict of them keyed by
+    layer type for models that mix full and sliding-window layers. Sliding windows are applied by position ids,
+    which is what plain ``generate()`` does for left-padded batches.
+    """
+    bsz, past = past_valid.shape
+    n = new_positions.shape[1]
+    width = kv_width if kv_width is not None else past + n
+    allowed = torch.zeros(bsz, n, width, dtype=torch.bool, device=past_valid.device)
+    allowed[:, :, :past] = past_valid[:, None, :]
+    allowed[:, :, past:past + n] = new_attends_new
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    wants_sliding = window is not None and "sliding_attention" in layer_types
+    minval = torch.finfo(dtype).min
+
+    def to_additive(ok: torch.BoolTensor) -> torch.Tensor:
+        mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device)
+        mask.masked_fill_(~ok, minval)
+        return mask[:, None]
+
+    full = to_additive(allowed)
+    if not wants_sliding:
+        return full
+    key_pos = torch.full((bsz, width), -(1 << 40), dtype=torch.long, device=past_valid.device)
+    key_pos[:, :past] = past_positions
+    key_pos[:, past:past + n] = new_positions
+    in_window = (new_positions[:, :, None] - key_pos[:, None, :]) < window
+    masks = {"full_attention": full, "sliding_attention": to_additive(allowed & in_window)}
+    for kind in set(layer_types) - set(masks):
+        masks[kind] = full
+    return masks

@@ -1,0 +1,166 @@
+"""Acceptance rules: which drafts the target keeps, and the target's own next token.
+
+One module for every method:
+
+* **greedy** — walk down the tree and keep the child whose token equals the target's argmax (after its logits
+  processors) at the current node; the target's argmax at the last kept node is the next token. The output is
+  identical to ``generate(do_sample=False)``.
+* **sampling, sampled drafts** (``DraftTree.draft_probs`` given) — speculative sampling (Leviathan et al. /
+  Chen et al.): accept child ``x`` drawn from ``p`` with probability ``min(1, q(x) / p(x))``; on rejection the
+  target distribution becomes ``norm(max(0, q - p))`` and the next sibling is tried (SpecInfer's multi-round rule,
+  exact for siblings drawn independently from ``p``); when no child is kept the next token is sampled from what
+  is left of ``q``.
+* **sampling, deterministic drafts** (``draft_probs`` is ``None``: prompt lookup, top-k tree children) — accept
+  child ``x`` with probability ``q(x)``; on rejection remove ``x`` from ``q`` and renormalise. This is sampling
+  from ``q`` by elimination, so it is exact for any fixed candidate list.
+
+``q`` is the softmax of the target's logits after the processors and warpers of the call (temperature, top-k,
+top-p, repetition penalty, ...), each applied with the node's own prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass
+class AcceptResult:
+    """What one verification step keeps.
+
+    ``paths[b]`` are the kept tree nodes of row ``b`` (root first, so ``len(paths[b]) - 1`` drafts were accepted);
+    ``new_tokens[b]`` are the tokens the row commits (accepted drafts, then the target's own token);
+    ``scores[b]`` / ``logits[b]`` hold one processed / raw score row per committed token when asked for.
+    Inactive rows have an empty path and no tokens.
+    """
+
+    paths: list[list[int]]
+    new_tokens: list[list[int]]
+    scores: list[list[torch.Tensor]] | None = None
+    logits: list[list[torch.Tensor]] | None = None
+
+    @property
+    def num_accepted(self) -> list[int]:
+        return [max(len(p) - 1, 0) for p in self.paths]
+
+    def is_prefix_paths(self) -> bool:
+        """True when every kept path is the node prefix 0, 1, ..., n (always the case for chains)."""
+        return all(p == list(range(len(p))) for p in self.paths)
+
+
+ScoreFn = Callable[[int, torch.LongTensor, torch.Tensor], torch.Tensor]
+
+
+def accept(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    prefixes: list[torch.LongTensor],
+    active: list[bool],
+    process: ScoreFn | None,
+    do_sample: bool,
+    want_scores: bool = False,
+    want_logits: bool = False,
+) -> AcceptResult:
+    """Apply the acceptance rule to a verified tree.
+
+    Args:
+        tree: the drafts that were verified.
+        logits: ``[B, N, V]`` float32 target logits, one row per tree node.
+        prefixes: per row, the committed token ids (``[L_b]``, padded prompt included, root last).
+        active: per row, False for rows that take no new tokens.
+        process: ``process(row, input_ids[1, L], logits[1, V]) -> scores[1, V]`` applies the call's logits
+            processors; ``None`` when there are none.
+        do_sample: sampling or greedy.
+    """
+    if not do_sample and process is None and tree.is_chain and not want_scores and not want_logits:
+        return _greedy_chain(tree, logits, active)
+    bsz = tree.batch_size
+    paths, new_tokens = [], []
+    scores = [] if want_scores else None
+    raw = [] if want_logits else None
+    tokens = tree.tokens.tolist()
+    for b in range(bsz):
+        if not active[b]:
+            paths.append([])
+            new_tokens.append([])
+            if scores is not None:
+                scores.append([])
+            if raw is not None:
+                raw.append([])
+            continue
+        path, toks, row_scores, row_raw = _walk(tree, b, tokens[b], logits[b], prefixes[b], process, do_sample)
+        paths.append(path)
+        new_tokens.append(toks)
+        if scores is not None:
+            scores.append(row_scores)
+        if raw is not None:
+            raw.append(row_raw)
+    return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw)
+
+
+def _greedy_chain(tree: DraftTree, logits: torch.Tensor, active: list[bool]) -> AcceptResult:
+    choice = logits.argmax(-1)  # [B, N]
+    match = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
+    n_acc = match.cumprod(1).sum(1)
+    nxt = choice.gather(1, n_acc[:, None])[:, 0]
+    drafts = tree.tokens.tolist()
+    paths, new_tokens = [], []
+    for b, (n, t) in enumerate(zip(n_acc.tolist(), nxt.tolist())):
+        if not active[b]:
+            paths.append([])
+            new_tokens.append([])
+            continue
+        paths.append(list(range(n + 1)))
+        new_tokens.append(drafts[b][1:n + 1] + [t])
+    return AcceptResult(paths=paths, new_tokens=new_tokens)
+
+
+def _walk(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, prefix: torch.LongTensor,
+          process: ScoreFn | None, do_sample: bool):
+    children = tree.children(b)
+    node = 0
+    path = [0]
+    ids = prefix
+    row_scores, row_raw = [], []
+    while True:
+        raw = logits[node]
+        scores = raw if process is None else process(b, ids[None], raw[None])[0]
+        row_scores.append(scores)
+        row_raw.append(raw)
+        kids = children[node]
+        if not do_sample:
+            target = int(scores.argmax())
+            nxt_node = next((c for c in kids if tokens[c] == target), None)
+            if nxt_node is None:
+                return path, [tokens[i] for i in path[1:]] + [target], row_scores, row_raw
+        else:
+            q = torch.softmax(scores, dim=-1)
+            nxt_node = None
+            for c in kids:
+                x = tokens[c]
+                p = tree.draft_probs[b, c] if tree.draft_probs is not None else None
+                if p is None:
+                    total = q.sum()
+                    if torch.rand(()) * total < q[x]:
+                        nxt_node = c
+                        break
+                    q = q.clone()
+                    q[x] = 0.0
+                else:
+                    if torch.rand(()) * p[x] < q[x]:
+                        nxt_node = c
+                        break
+                    residual = (q - p).clamp_(min=0.0)
+                    mass = residual.sum()
+                    # q == p up to rounding: rejection had probability ~0; keep sampling from q itself
+                    q = residual / mass if mass > 1e-12 else q
+            if nxt_node is None:
+                target = int(torch.multinomial(q / q.sum(), 1))
+                return path, [tokens[i] for i in path[1:]] + [target], row_scores, row_raw
+        path.append(nxt_node)
+        node = nxt_node
+        ids = torch.cat([ids, ids.new_tensor([tokens[node]])])

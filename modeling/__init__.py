@@ -1,0 +1,1 @@
+"""Drafter networks as transformers ``PreTrainedModel``s (installed as ``hf_specdec.modeling``)."""

@@ -1,0 +1,45 @@
+from pathlib import Path
+
+from setuptools import setup
+
+here = Path(__file__).parent
+version = {}
+for line in (here / "hf_specdec" / "__init__.py").read_text().splitlines():
+    if line.startswith("__version__"):
+        exec(line, version)
+
+setup(
+    name="hf_specdec",
+    version=version["__version__"],
+    description="Lossless speculative decoding for Hugging Face transformers: prompt lookup, draft models, "
+    "EAGLE-3, Medusa, DFlash, LayerSkip and MTP behind model.generate().",
+    long_description=(here / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=[
+        "hf_specdec",
+        "hf_specdec.proposers",
+        "hf_specdec.modeling",
+        "hf_specdec.conversions",
+    ],
+    package_dir={
+        "hf_specdec": "hf_specdec",
+        "hf_specdec.modeling": "modeling",
+        "hf_specdec.conversions": "conversions",
+    },
+    package_data={"hf_specdec": ["*/custom_generate/*.py", "*/custom_generate/*.txt", "*/README.md"]},
+    install_requires=[
+        "transformers>=5.24,<6",
+        "torch",
+        "accelerate",
+        "safetensors",
+        "huggingface-hub",
+    ],
+    extras_require={
+        "test": ["pytest", "scipy", "gguf"],
+        "bench": ["matplotlib", "gguf"],
+        "train": ["gguf"],
+    },
+    entry_points={"console_scripts": ["hf-specdec=hf_specdec.cli:main"]},
+)
