@@ -107,6 +107,7 @@ class DecodingState:
         self.hidden_states = None  # target hidden states of the last forward (indices asked by the proposer)
         self.last_tree: DraftTree | None = None
         self._processors = logits_processor
+        self._row_independent = all(_is_row_independent(p) for p in logits_processor)
 
     # ---- reading the sequences
     def prefix(self, b: int) -> torch.LongTensor:
@@ -136,7 +137,7 @@ class DecodingState:
         """
         if not self._processors:
             return logits
-        if self.batch_size == 1:
+        if self.batch_size == 1 or self._row_independent:
             return self._processors(input_ids, logits)
         ids = input_ids.expand(self.batch_size, -1)
         scores = logits.expand(self.batch_size, -1).clone()
@@ -144,6 +145,24 @@ class DecodingState:
 
     def process_fn(self):
         return self.process if self._processors else None
+
+
+_ROW_INDEPENDENT = {
+    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
+    "EpsilonLogitsWarper", "EtaLogitsWarper", "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor",
+    "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
+    "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
+    "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty",
+    "LogitNormalization", "TopHLogitsWarper",
+}
+
+
+def _is_row_independent(proc) -> bool:
+    """Known processors whose output for a row depends on that row only (not on its batch index)."""
+    name = type(proc).__name__
+    if name == "RepetitionPenaltyLogitsProcessor":
+        return not isinstance(getattr(proc, "prompt_ignore_length", None), torch.Tensor)
+    return name in _ROW_INDEPENDENT
 
 
 class _Stopper:

@@ -1,0 +1,163 @@
+"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over thousands of draws).
+
+A tiny vocabulary makes the exact distribution of the first few generated tokens computable by enumeration; every
+sample comes from one row of a large batch, so thousands of draws take a few generate calls.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import hf_specdec
+from hf_specdec.proposers.base import Proposer
+from hf_specdec.tree import DraftTree
+from tiny import tiny_model
+
+V = 6
+NEW = 3
+ROWS = 1500
+CALLS = 4
+WARP = dict(temperature=1.4, top_k=4)
+
+
+def _target():
+    return tiny_model("llama", seed=21, vocab=V, hidden=16, scale=1.5)
+
+
+def _exact_distribution(model, prompt, processors):
+    """P(t1, t2, t3) under the target with the call's processors, by enumeration."""
+    probs = {}
+    for seq in itertools.product(range(V), repeat=NEW):
+        p = 1.0
+        for i in range(NEW):
+            prefix = torch.tensor([prompt + list(seq[:i])])
+            with torch.no_grad():
+                logits = model(prefix).logits[:, -1].float()
+            q = torch.softmax(processors(prefix, logits), dim=-1)[0]
+            p *= float(q[seq[i]])
+            if p == 0:
+                break
+        probs[seq] = p
+    return probs
+
+
+class SampledTree(Proposer):
+    """Each node gets 2 children drawn i.i.d. from a fixed random distribution p (SpecInfer-style tree)."""
+
+    name = "sampled_tree"
+    max_nodes = 7
+
+    def __init__(self, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.p = torch.distributions.Dirichlet(torch.ones(V)).sample((1,))[0]
+
+    def propose(self, state):
+        bsz = state.batch_size
+        parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2]).expand(bsz, 7)
+        tokens = torch.multinomial(self.p.expand(bsz, V), 7, replacement=True)
+        tokens[:, 0] = state.roots()
+        depth_ok = torch.tensor([0, 1, 1, 2, 2, 2, 2])[None] <= torch.tensor(state.max_drafts)[:, None]
+        probs = self.p.expand(bsz, 7, V).clone()
+        return DraftTree(tokens=tokens, parents=parents.clone(), valid=depth_ok, draft_probs=probs)
+
+
+class TopKTree(Proposer):
+    """Deterministic children: at every node the 2 tokens the *target* ranks lowest... here a fixed pair per depth."""
+
+    name = "topk_tree"
+    max_nodes = 7
+
+    def propose(self, state):
+        bsz = state.batch_size
+        parents = torch.tensor([-1, 0, 0, 1, 1, 2, 2]).expand(bsz, 7).clone()
+        tokens = torch.tensor([0, 3, 1, 2, 4, 3, 5]).expand(bsz, 7).clone()
+        tokens[:, 0] = state.roots()
+        depth_ok = torch.tensor([0, 1, 1, 2, 2, 2, 2])[None] <= torch.tensor(state.max_drafts)[:, None]
+        return DraftTree(tokens=tokens, parents=parents, valid=depth_ok)
+
+
+def _sample(model, prompt, custom, **kw):
+    counts = {}
+    ids = torch.tensor([prompt] * ROWS)
+    stats = []
+    for call in range(CALLS):
+        torch.manual_seed(1000 + call)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                             max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, custom_generate=custom,
+                             return_dict_in_generate=True, **WARP, **kw)
+        stats.append(out.speculative_stats)
+        for row in out.sequences[:, len(prompt):].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts, stats
+
+
+def _chi2(counts, exact):
+    cells = sorted(exact, key=lambda s: -exact[s])
+    total = sum(counts.values())
+    obs, exp = [], []
+    rest_o = rest_e = 0.0
+    for s in cells:
+        e = exact[s] * total
+        if e >= 5:
+            obs.append(counts.get(s, 0))
+            exp.append(e)
+        else:
+            rest_o += counts.get(s, 0)
+            rest_e += e
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    # any sample outside the support would already be a failure
+    assert all(exact.get(s, 0) > 0 for s in counts), "sampled a sequence the target can never produce"
+    return chisquare(obs, exp)
+
+
+PROMPT = [3, 4, 5, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def target_and_exact():
+    model = _target()
+    processors = model._get_logits_processor(
+        generation_config=model.generation_config.__class__(do_sample=True, **WARP),
+        input_ids_seq_length=len(PROMPT), encoder_input_ids=None, prefix_allowed_tokens_fn=None,
+        logits_processor=None, device="cpu", model_kwargs={})
+    return model, _exact_distribution(model, PROMPT, processors)
+
+
+@pytest.mark.parametrize("method", ["assisted", "prompt_lookup", "sampled_tree", "topk_tree"])
+def test_speculative_sampling_matches_target(target_and_exact, method):
+    model, exact = target_and_exact
+    if method == "assisted":
+        drafter = tiny_model("llama", seed=5, vocab=V, hidden=16, scale=1.5)
+        custom = hf_specdec.decoding_method("assisted", drafter=drafter, num_speculative_tokens=2)
+    elif method == "prompt_lookup":
+        custom = hf_specdec.decoding_method("prompt_lookup", draft_length_schedule="constant",
+                                            max_matching_ngram_size=1)
+    elif method == "sampled_tree":
+        custom = hf_specdec.decoding_method(SampledTree())
+    else:
+        custom = hf_specdec.decoding_method(TopKTree())
+    counts, stats = _sample(model, PROMPT, custom)
+    accepted = sum(s["accepted_drafts"] for s in stats)
+    proposed = sum(s["proposed_drafts"] for s in stats)
+    assert 0 < accepted < proposed, "the test must see both accepted and rejected drafts"
+    result = _chi2(counts, exact)
+    assert result.pvalue > 1e-3, result
+
+
+def test_chi_square_detects_a_wrong_distribution(target_and_exact):
+    """Negative control: sampling without the target's warpers is caught by the same test."""
+    model, exact = target_and_exact
+    counts = {}
+    ids = torch.tensor([PROMPT] * ROWS)
+    for call in range(CALLS):
+        torch.manual_seed(call)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=NEW,
+                             eos_token_id=None, pad_token_id=0, temperature=1.0, top_k=0)
+        for row in out[:, len(PROMPT):].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    exact_no_support_check = {s: max(p, 1e-12) for s, p in exact.items()}
+    assert _chi2(counts, exact_no_support_check).pvalue < 1e-3

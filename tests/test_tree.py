@@ -1,0 +1,129 @@
+"""Tree verification: the logits of every tree node equal a separate linear run of its root-to-node path."""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from hf_specdec import cache as cache_ops
+from hf_specdec.tree import DraftTree, build_attention_mask
+from tiny import prompts, tiny_model
+
+# root r; r->a, r->b; a->c, a->d; b->e; d->f  (node order = parents first)
+PARENTS = [-1, 0, 0, 1, 1, 2, 4]
+
+
+def _tree(bsz, roots, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = len(PARENTS)
+    tokens = torch.randint(3, 96, (bsz, n), generator=g)
+    tokens[:, 0] = roots
+    parents = torch.tensor(PARENTS).expand(bsz, n).clone()
+    return DraftTree(tokens=tokens, parents=parents, valid=torch.ones(bsz, n, dtype=torch.bool))
+
+
+def _linear_logits(model, ids, mask, extra):
+    """Logits of the last token of (prompt + extra) computed by the model in one plain call."""
+    full = torch.cat([ids, extra], dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(extra)], dim=1)
+    pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=full, attention_mask=full_mask, position_ids=pos)
+    return out.logits[:, -1]
+
+
+def test_tree_structure():
+    tree = _tree(2, torch.tensor([5, 6]))
+    assert tree.depths[0].tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.path_to(0, 6) == [0, 1, 4, 6]
+    assert tree.children(0)[1] == [3, 4]
+    anc = tree.ancestors[0]
+    assert anc[6].nonzero().flatten().tolist() == [0, 1, 4, 6]
+    assert anc[5].nonzero().flatten().tolist() == [0, 2, 5]
+    chain = DraftTree.chain(torch.tensor([1]), torch.tensor([[7, 8, 9]]), torch.tensor([2]))
+    assert chain.valid.tolist() == [[True, True, True, False]]
+    assert chain.ancestors[0, 2].tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("static", [False, True])
+def test_tree_logits_equal_linear_paths(arch, static):
+    model = tiny_model(arch)
+    bsz = 2
+    ids, mask = prompts(bsz, length=11, seed=3)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if static:
+        from transformers import StaticCache
+
+        cache = cache_ops.new_cache_like(model, StaticCache(config=model.config, max_cache_len=64), capacity=64)
+    else:
+        cache = DynamicCache()
+    # prefill all but the last prompt token; the last one is the tree root
+    past_ids, past_mask, past_pos = ids[:, :-1], mask[:, :-1], pos[:, :-1]
+    n_past = past_ids.shape[1]
+    full = torch.ones(n_past, n_past, dtype=torch.bool).tril()[None] & past_mask.bool()[:, None, :]
+    m = build_attention_mask(model.config, torch.zeros(bsz, 0, dtype=torch.bool), past_pos[:, :0], past_pos, full,
+                             torch.float32, kv_width=64 if static else None)
+    with torch.no_grad():
+        model(input_ids=past_ids, attention_mask=m, position_ids=past_pos, cache=cache)
+        tree = _tree(bsz, ids[:, -1])
+        node_pos = pos[:, -1:] + tree.depths
+        m = build_attention_mask(model.config, past_mask.bool(), past_pos, node_pos, tree.ancestors, torch.float32,
+                                 kv_width=64 if static else None)
+        logits = model(input_ids=tree.tokens, attention_mask=m, position_ids=node_pos, cache=cache).logits
+        for node in range(len(PARENTS)):
+            for b in range(bsz):
+                path = tree.path_to(b, node)
+                extra = tree.tokens[b:b + 1, path[1:]]
+                ref = _linear_logits(model, ids[b:b + 1], mask[b:b + 1], extra)
+                torch.testing.assert_close(logits[b, node], ref[0], atol=2e-4, rtol=1e-4)
+        # negative control: without the tree mask, node 5 (a child of b) would see a, c, d
+        plain = build_attention_mask(model.config, past_mask.bool(), past_pos, node_pos,
+                                     torch.ones(bsz, 7, 7, dtype=torch.bool).tril(), torch.float32,
+                                     kv_width=64 if static else None)
+        cache_ops.crop(cache, n_past)
+        wrong = model(input_ids=tree.tokens, attention_mask=plain, position_ids=node_pos, cache=cache).logits
+        assert (wrong[:, 5] - logits[:, 5]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_keep_accepted_path_then_continue(static):
+    """After keeping a path's columns, the next token's logits equal a linear run of prompt + path."""
+    model = tiny_model("llama")
+    ids, mask = prompts(2, length=9, seed=4)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    width = 64 if static else None
+    if static:
+        from transformers import StaticCache
+
+        cache = cache_ops.new_cache_like(model, StaticCache(config=model.config, max_cache_len=64), capacity=64)
+    else:
+        cache = DynamicCache()
+    past_ids, past_mask, past_pos = ids[:, :-1], mask[:, :-1], pos[:, :-1]
+    n_past = past_ids.shape[1]
+    full = torch.ones(n_past, n_past, dtype=torch.bool).tril()[None] & past_mask.bool()[:, None, :]
+    with torch.no_grad():
+        model(input_ids=past_ids, position_ids=past_pos, cache=cache,
+              attention_mask=build_attention_mask(model.config, torch.zeros(2, 0, dtype=torch.bool), past_pos[:, :0],
+                                                  past_pos, full, torch.float32, kv_width=width))
+        tree = _tree(2, ids[:, -1], seed=9)
+        node_pos = pos[:, -1:] + tree.depths
+        model(input_ids=tree.tokens, position_ids=node_pos, cache=cache,
+              attention_mask=build_attention_mask(model.config, past_mask.bool(), past_pos, node_pos, tree.ancestors,
+                                                  torch.float32, kv_width=width))
+        paths = [tree.path_to(0, 6), tree.path_to(1, 5)]  # different lengths: row 1 gets a hole
+        index = torch.zeros(2, 4, dtype=torch.long)
+        for b, p in enumerate(paths):
+            index[b, : len(p)] = torch.tensor(p)
+        cache_ops.keep_columns(cache, n_past, index)
+        assert cache_ops.cache_length(cache) == n_past + 4
+        keep_valid = torch.tensor([[True] * 4, [True] * 3 + [False]])
+        kept_pos = pos[:, -1:] + torch.arange(4)
+        nxt = torch.tensor([[11], [12]])
+        nxt_pos = torch.tensor([[int(pos[0, -1]) + 4], [int(pos[1, -1]) + 3]])
+        m = build_attention_mask(model.config, torch.cat([past_mask.bool(), keep_valid], 1),
+                                 torch.cat([past_pos, kept_pos], 1), nxt_pos, torch.ones(2, 1, 1, dtype=torch.bool),
+                                 torch.float32, kv_width=width)
+        logits = model(input_ids=nxt, attention_mask=m, position_ids=nxt_pos, cache=cache).logits[:, -1]
+        for b, p in enumerate(paths):
+            extra = torch.cat([tree.tokens[b:b + 1, p[1:]], nxt[b:b + 1]], dim=1)
+            ref = _linear_logits(model, ids[b:b + 1], mask[b:b + 1], extra)
+            torch.testing.assert_close(logits[b], ref[0], atol=2e-4, rtol=1e-4)
