@@ -11,6 +11,7 @@ no ``k`` beats a plain step: that is what keeps a method from slowing down text 
 from __future__ import annotations
 
 import math
+import weakref
 
 # Relative cost of a q-token forward over a ~256-token cache vs q=1, SmolLM2-135M fp32 on the 2-core CPU
 # (../shared/reference/offline-models-and-data.md): used until the loop has measured its own.
@@ -32,12 +33,29 @@ def _interp(table: dict[int, float], q: int) -> float:
 
 
 class ForwardCostModel:
-    """Running estimate of the time of a target forward over ``q`` new tokens (exponential moving averages)."""
+    """Running estimate of the time of a target forward over ``q`` new tokens (exponential moving averages).
+
+    Sizes not measured yet are interpolated (in log q) between the nearest measured ones, or follow the shape of a
+    prior curve from the nearest measured size. :meth:`for_model` keeps one estimate per model, device and batch
+    size across ``generate`` calls, so later calls start from what earlier ones measured.
+    """
+
+    _shared: "weakref.WeakKeyDictionary" = None  # model -> {(device, batch): ForwardCostModel}
 
     def __init__(self, device_type: str = "cpu", decay: float = 0.8):
         self.prior = _GPU_PRIOR if device_type == "cuda" else _CPU_PRIOR
         self.decay = decay
         self.seconds: dict[int, float] = {}
+
+    @classmethod
+    def for_model(cls, model, device_type: str, batch_size: int) -> "ForwardCostModel":
+        if cls._shared is None:
+            cls._shared = weakref.WeakKeyDictionary()
+        try:
+            per_model = cls._shared.setdefault(model, {})
+        except TypeError:  # not weak-referenceable
+            return cls(device_type)
+        return per_model.setdefault((device_type, batch_size), cls(device_type))
 
     def record(self, q: int, seconds: float) -> None:
         old = self.seconds.get(q)
@@ -48,15 +66,18 @@ class ForwardCostModel:
         if q <= 1:
             return 1.0
         base = self.seconds.get(1)
-        if base and q in self.seconds:
-            return max(self.seconds[q] / base, 1.0)
-        prior = _interp(self.prior, q)
-        if base:
-            # scale the prior by how the measured sizes compare with it
-            ratios = [self.seconds[k] / base / _interp(self.prior, k) for k in self.seconds if k > 1]
-            if ratios:
-                prior *= sum(ratios) / len(ratios)
-        return max(prior, 1.0)
+        if not base:
+            return _interp(self.prior, q)
+        known = {k: max(v / base, 1.0) for k, v in self.seconds.items()}
+        if q in known:
+            return known[q]
+        lower = max(k for k in known if k < q)  # 1 is always known here
+        upper = [k for k in known if k > q]
+        if upper:
+            hi = min(upper)
+            t = (math.log2(q) - math.log2(lower)) / (math.log2(hi) - math.log2(lower))
+            return known[lower] + t * (known[hi] - known[lower])
+        return max(known[lower] * _interp(self.prior, q) / _interp(self.prior, lower), 1.0)
 
     def step_seconds(self) -> float | None:
         return self.seconds.get(1)

@@ -100,6 +100,7 @@ class DecodingState:
         self.lengths = [self.prompt_length] * self.batch_size
         self.pad_lengths = (attention_mask == 0).sum(1).tolist()
         self.active = [True] * self.batch_size
+        self.eos_token_ids: list[int] = []  # drafting past one of these is wasted work
         self.max_drafts = [0] * self.batch_size
         self.root_positions: torch.LongTensor | None = None
         self.layout: cache_ops.CacheLayout | None = None
@@ -277,7 +278,8 @@ def speculative_decode(
 
     device_type = input_ids.device.type
     state = DecodingState(model, input_ids, attention_mask, max_length, logits_processor, do_sample,
-                          ForwardCostModel(device_type))
+                          ForwardCostModel.for_model(model, device_type, input_ids.shape[0]))
+    state.eos_token_ids = sorted(stopper.eos)
     stats = SpeculativeStats(method=proposer.name)
     bsz = state.batch_size
     dtype = model.dtype

@@ -44,9 +44,12 @@ def _build_prompt_lookup(target, opts: dict) -> PromptLookupProposer:
     if opts.get("drafter") is not None:
         raise ValueError("prompt_lookup drafts from the text itself and takes no drafter/assistant_model. Use "
                          "custom_generate='hf_specdec/assisted' to draft with a model.")
+    def given(key, default):
+        return default if opts.get(key) is None else opts[key]
+
     return PromptLookupProposer(
-        num_tokens=opts.get("prompt_lookup_num_tokens") or 10,
-        max_ngram=opts.get("max_matching_ngram_size") or 3,
+        num_tokens=given("prompt_lookup_num_tokens", 10),
+        max_ngram=given("max_matching_ngram_size", 3),
         adaptive=opts.get("draft_length_schedule", "adaptive") != "constant",
     )
 

@@ -71,6 +71,12 @@ class PromptLookupProposer(Proposer):
             n, cont = find_continuation(state.row_tokens(b), self.max_ngram, self.min_ngram, budget)
             if n == 0 or cont.numel() == 0:
                 continue
+            if state.eos_token_ids:  # a draft past an end-of-sequence token can never be used
+                stops = torch.isin(cont, cont.new_tensor(state.eos_token_ids)).nonzero()
+                if stops.numel():
+                    cont = cont[: int(stops[0])]
+                    if cont.numel() == 0:
+                        continue
             k = cont.numel()
             if self.adaptive:
                 key = (n, self.streak[b])

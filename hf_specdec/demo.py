@@ -1,0 +1,109 @@
+"""``hf-specdec demo``: speculative generation with the embedded default model, outputs checked, speedup printed."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sysconfig
+import time
+
+import torch
+
+from .entry import decoding_method
+
+_NEWS = (
+    "The Bureau of Meteorology said a cold front would cross the state on Sunday, bringing strong winds and "
+    "scattered showers to most coastal districts. Firefighters in the Blue Mountains spent the night containing "
+    "three blazes that had threatened homes near Katoomba, and the Rural Fire Service said conditions would ease "
+    "by Monday. Residents were asked to keep clearing gutters and to listen to local radio for updates."
+)
+
+
+def _stdlib_snippet(name: str = "textwrap.py", start: int = 2300, length: int = 1100) -> str:
+    path = os.path.join(sysconfig.get_paths()["stdlib"], name)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return text[start:start + length]
+
+
+def demo_prompts() -> list[tuple[str, str]]:
+    """``(kind, prompt)`` pairs: two that copy from the prompt, two that do not."""
+    return [
+        ("copy", "Rename the variable `text` to `content` everywhere in this code and output the whole code:\n"
+                 f"```python\n{_stdlib_snippet()}\n```"),
+        ("copy", f"Repeat the following paragraph, replacing 'Sunday' with 'Saturday':\n\n{_NEWS}"),
+        ("chat", "Write a short story about a robot who learns to paint."),
+        ("chat", "What are three tips for staying productive while working from home?"),
+    ]
+
+
+def _encode(tokenizer, prompt):
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)
+
+
+def available_demo_methods(drafter=None) -> dict[str, dict]:
+    methods = {"prompt_lookup": {}}
+    if drafter is not None:
+        methods["assisted"] = {"drafter": drafter}
+    return methods
+
+
+def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 1, verbose: bool = True):
+    """Run plain greedy and every available method on the demo prompts; return the per-method summary."""
+    from .default_model import load_smollm2
+
+    torch.manual_seed(0)
+    model, tokenizer = load_smollm2(verbose=verbose)
+    # the project's trained draft models are added here once they exist (see the README)
+    candidates = available_demo_methods()
+    chosen = {m: candidates[m] for m in (methods or candidates)}
+    prompts = demo_prompts()
+    encoded = [_encode(tokenizer, p) for _, p in prompts]
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    # warm-up (first calls pay one-time costs)
+    model.generate(**encoded[0], max_new_tokens=8, do_sample=False)
+    for name, opts in chosen.items():
+        model.generate(**encoded[0], max_new_tokens=8, do_sample=False, custom_generate=decoding_method(name, **opts))
+
+    rows = []
+    for (kind, _), enc in zip(prompts, encoded):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            base = model.generate(**enc, **gen)
+            t_base = time.perf_counter() - t0
+            n_new = base.shape[1] - enc["input_ids"].shape[1]
+            for name, opts in chosen.items():
+                t0 = time.perf_counter()
+                out = model.generate(**enc, **gen, custom_generate=decoding_method(name, **opts),
+                                     return_dict_in_generate=True)
+                t_spec = time.perf_counter() - t0
+                same = torch.equal(out.sequences, base)
+                rows.append(dict(kind=kind, method=name, new_tokens=n_new, base_s=t_base, spec_s=t_spec,
+                                 speedup=t_base / t_spec, tau=out.speculative_stats["acceptance_length"], same=same))
+                if verbose:
+                    print(f"  [{kind:4s}] {name:14s} {n_new:4d} tokens  plain {n_new / t_base:5.1f} tok/s  "
+                          f"{name} {n_new / t_spec:5.1f} tok/s  speedup {t_base / t_spec:4.2f}x  "
+                          f"acceptance length {out.speculative_stats['acceptance_length']:.2f}  "
+                          f"{'identical' if same else 'MISMATCH'}", flush=True)
+    summary = {}
+    for name in chosen:
+        for kind in ("copy", "chat"):
+            sel = [r for r in rows if r["method"] == name and r["kind"] == kind]
+            if not sel:
+                continue
+            summary[(name, kind)] = dict(
+                speedup=sum(r["base_s"] for r in sel) / sum(r["spec_s"] for r in sel),
+                median_speedup=statistics.median(r["speedup"] for r in sel),
+                tau=statistics.mean(r["tau"] for r in sel),
+                tokens_per_s=sum(r["new_tokens"] for r in sel) / sum(r["spec_s"] for r in sel),
+                plain_tokens_per_s=sum(r["new_tokens"] for r in sel) / sum(r["base_s"] for r in sel),
+                identical=all(r["same"] for r in sel),
+            )
+    if verbose:
+        print()
+        print(f"{'method':14s} {'prompts':8s} {'plain tok/s':>12s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s}  outputs")
+        for (name, kind), s in summary.items():
+            print(f"{name:14s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
+                  f"{s['speedup']:7.2f}x {s['tau']:10.2f}  {'identical' if s['identical'] else 'MISMATCH'}")
+    return summary, rows
