@@ -82,6 +82,13 @@ class ForwardCostModel:
     def step_seconds(self) -> float | None:
         return self.seconds.get(1)
 
+    def calibration_sizes(self, max_nodes: int) -> list[int]:
+        """Sizes worth timing once before decoding (none once the curve has been measured up to ``max_nodes``)."""
+        wanted = sorted({q for q in (1, 2, 4, 8, 16, 32) if q <= max_nodes} | {max_nodes})
+        if all(q in self.seconds for q in wanted):
+            return []
+        return wanted
+
 
 class AcceptanceEstimator:
     """Per-key estimate of ``alpha``, the probability that a draft is accepted given the previous one was.

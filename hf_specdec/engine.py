@@ -355,6 +355,8 @@ def speculative_decode(
 
     proposer.begin(state)
     process = state.process_fn()
+    if proposer.max_nodes > 1 and any(state.active):
+        _calibrate(model, cache, state, proposer.max_nodes, text_config, dtype, static)
 
     while any(state.active):
         # ---- room in the cache: rows of a batch leave holes; move real columns together when they waste too much
@@ -473,6 +475,32 @@ def speculative_decode(
         cache=cache,
         speculative_stats=stats.as_dict(),
     )
+
+
+def _calibrate(model, cache, state: DecodingState, max_nodes: int, text_config, dtype, static: bool) -> None:
+    """Time one forward per draft size the proposer may use, once per model, device and batch size.
+
+    The draft-length rules pick lengths from these costs (:mod:`hf_specdec.costs`); measuring them up front avoids
+    never trying a size whose cost was guessed wrong. The forwards are undone by cropping the cache.
+    """
+    sizes = state.cost_model.calibration_sizes(max_nodes)
+    if not sizes:
+        return
+    past = state.layout.length
+    roots = state.roots()
+    for i, q in enumerate([1] + sizes):  # the first one-token forward only warms up
+        tokens = roots[:, None].expand(-1, q)
+        pos = state.root_positions[:, None] + torch.arange(q, device=state.device)
+        causal = torch.ones(q, q, dtype=torch.bool, device=state.device).tril().expand(state.batch_size, q, q)
+        mask = build_attention_mask(text_config, state.layout.valid, state.layout.positions, pos, causal, dtype,
+                                    kv_width=cache.get_max_length() if static else None)
+        t0 = time.perf_counter()
+        model(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, return_dict=True)
+        if state.device.type == "cuda":
+            torch.cuda.synchronize(state.device)
+        if i > 0:
+            state.cost_model.record(q, time.perf_counter() - t0)
+        cache_ops.crop(cache, past)
 
 
 def _wasteful(layout: cache_ops.CacheLayout) -> bool:
