@@ -13,6 +13,45 @@ def _demo(args) -> int:
     return 0 if all(r["same"] for r in rows) else 1
 
 
+def _load_model(path, dtype, device):
+    import torch
+
+    dtype = getattr(torch, dtype)
+    if path is None:
+        from .default_model import load_smollm2
+
+        model, tok = load_smollm2(dtype=dtype, device=None if device == "auto" else device)
+        if device == "auto" and torch.cuda.is_available():
+            model = model.to("cuda")
+        return model, tok
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"device_map": "auto"} if device == "auto" else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if device != "auto":
+        model = model.to(device)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    return model.eval(), tok
+
+
+def _bench(args) -> int:
+    from .bench import build_methods, markdown, run_bench
+
+    model, tok = _load_model(args.target, args.dtype, args.device)
+    drafter = None
+    if args.drafter:
+        drafter, _ = _load_model(args.drafter, args.dtype, str(model.device) if args.device == "auto" else args.device)
+    methods = build_methods([m for m in args.methods.split(",") if m], drafter)
+    result = run_bench(model, tok, methods, [d for d in args.datasets.split(",") if d], args.limit,
+                       args.max_new_tokens, batch_size=args.batch_size, drafter=drafter, out=args.out,
+                       memory_check=args.memory_check, config=vars(args) | {"func": None}, seed=args.seed)
+    print(markdown(result))
+    print(f"\nwritten to {args.out}/ (bench.json, bench.md, *.png)")
+    mismatches = sum(r["mismatches"] for r in result["summary"])
+    return 1 if mismatches else 0
+
+
 def _generate(args) -> int:
     import torch
 
@@ -53,6 +92,23 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="*", default=None, help="methods to run (default: every available one)")
     p.add_argument("--repeats", type=int, default=1)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench", help="benchmark methods against plain generate() and transformers' own modes")
+    p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--drafter", default=None, help="draft model for 'assisted' / 'hf_assisted'")
+    p.add_argument("--methods", default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
+                   help="comma-separated: prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted "
+                        "(plain generate() always runs as the baseline)")
+    p.add_argument("--datasets", default="mtbench,humaneval,gsm8k,copy")
+    p.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto (Accelerate places the model)")
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--memory-check", type=int, default=0, help="N consecutive calls per method, RSS recorded")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("generate", help="generate from one prompt with a method")
     p.add_argument("prompt")

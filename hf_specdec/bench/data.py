@@ -1,0 +1,132 @@
+"""Benchmark prompt sets, all offline: MT-bench, HumanEval, GSM8K (vendored, see data/NOTICE.md) and a copy-heavy
+set built from the standard library (and the Lee news corpus when gensim is installed)."""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import json
+import random
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data"
+DATASETS = ("mtbench", "humaneval", "gsm8k", "copy")
+
+
+@dataclass
+class Prompt:
+    dataset: str
+    id: str
+    text: str  # the user message (the chat template is applied by the harness)
+
+
+def mtbench() -> list[Prompt]:
+    rows = [json.loads(line) for line in (DATA / "mt_bench_questions.jsonl").read_text().splitlines() if line.strip()]
+    return [Prompt("mtbench", str(r["question_id"]), r["turns"][0]) for r in rows]
+
+
+def humaneval() -> list[Prompt]:
+    with gzip.open(DATA / "HumanEval.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [Prompt("humaneval", r["task_id"],
+                   f"Complete the following Python function.\n```python\n{r['prompt']}```") for r in rows]
+
+
+def gsm8k() -> list[Prompt]:
+    rows = [json.loads(line) for line in (DATA / "gsm8k_test_subset.jsonl").read_text().splitlines() if line.strip()]
+    return [Prompt("gsm8k", str(r["index"]), f"{r['question']}\nLet's think step by step.") for r in rows]
+
+
+def _stdlib_functions(seed: int, count: int) -> list[tuple[str, str, str]]:
+    """``(source, old_name, new_name)`` for standard-library functions of 10-35 lines."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    found = []
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError):
+            continue
+        lines = source.splitlines()
+        funcs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and 10 <= n.end_lineno - n.lineno + 1 <= 35]
+        if not funcs:
+            continue
+        fn = funcs[rng.randrange(len(funcs))]
+        names = sorted({a.arg for a in fn.args.args if len(a.arg) >= 3 and a.arg != "self"}
+                       | {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+                          and len(n.id) >= 3})
+        if not names:
+            continue
+        old = names[rng.randrange(len(names))]
+        new = old + ("_value" if "_" in old or old.islower() else "Value")
+        found.append(("\n".join(lines[fn.lineno - 1: fn.end_lineno]), old, new))
+        if len(found) == count:
+            break
+    return found
+
+
+def _prose(seed: int, count: int) -> list[str]:
+    """News articles from the Lee corpus (gensim) when installed, else long standard-library docstrings."""
+    texts: list[str] = []
+    try:
+        import importlib.metadata
+
+        lee = Path(importlib.metadata.distribution("gensim").locate_file("gensim/test/test_data/lee_background.cor"))
+        if lee.is_file():
+            texts = [t.strip() for t in lee.read_text(encoding="utf-8", errors="replace").splitlines()
+                     if 600 <= len(t.strip()) <= 1400]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if not texts:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        for path in sorted(root.glob("*.py")):
+            try:
+                doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+            except (UnicodeDecodeError, SyntaxError):
+                continue
+            if doc and 500 <= len(doc) <= 1400 and doc.count("\n\n") < 8:
+                texts.append(doc.strip())
+                if len(texts) >= 3 * count:
+                    break
+    rng = random.Random(seed)
+    rng.shuffle(texts)
+    return texts[:count]
+
+
+def copy_heavy(seed: int = 0, count: int = 40) -> list[Prompt]:
+    """Rewrites that copy most of the prompt: rename a variable in a function; repeat an article with one word
+    replaced. Alternates code and prose."""
+    prompts = []
+    code = _stdlib_functions(seed, count)
+    prose = _prose(seed, count)
+    for i in range(count):
+        if i % 2 == 0 and code:
+            src, old, new = code.pop(0)
+            prompts.append(Prompt("copy", f"code{i}", (
+                f"Rename the variable `{old}` to `{new}` in the following Python function. Output the complete "
+                f"function and nothing else.\n```python\n{src}\n```")))
+        elif prose:
+            text = prose.pop(0)
+            words = [w for w in re.findall(r"\b[A-Z][a-z]{3,}\b", text)]
+            word = words[len(words) // 2] if words else "the"
+            prompts.append(Prompt("copy", f"prose{i}", (
+                f"Repeat the following text exactly, but replace every occurrence of the word '{word}' with "
+                f"'{word.upper()}'.\n\n{text}")))
+    return prompts
+
+
+LOADERS = {"mtbench": mtbench, "humaneval": humaneval, "gsm8k": gsm8k, "copy": copy_heavy}
+
+
+def load(dataset: str, limit: int | None = None, seed: int = 0) -> list[Prompt]:
+    """The first ``limit`` prompts of a set (GSM8K and the copy set are seeded draws already)."""
+    if dataset not in LOADERS:
+        raise ValueError(f"Unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}.")
+    prompts = LOADERS[dataset]() if dataset != "copy" else copy_heavy(seed)
+    return prompts[:limit] if limit else prompts

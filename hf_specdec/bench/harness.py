@@ -1,0 +1,422 @@
+"""``hf-specdec bench``: every method side by side with plain ``generate()`` and transformers' own modes.
+
+In one process, after a warm-up, each prompt is run by the baseline (plain greedy ``generate()``) and every method,
+in an order that rotates from prompt to prompt, so that drift of a shared, noisy machine falls on all of them.
+Every output is compared with the baseline token for token; a mismatch is reported, never averaged away.
+
+The *ceiling* of a run is the speedup its forwards would give with zero overhead: with ``c(q)`` the measured cost of
+a target forward over ``q`` new tokens (in one-token steps), a run that committed ``n`` tokens after the prefill
+in forwards of sizes ``q_1..q_s`` could at best be ``n / sum_i c(q_i)`` times faster than plain decoding.
+``efficiency = achieved decode speedup / ceiling``. The oracle proposer (drafts = the baseline's own output)
+measures what the engine itself costs.
+
+JSON schema (``schema: "hf_specdec.bench/1"``):
+
+* ``machine``: platform, cpu count, torch / transformers versions, device
+* ``config``: the command-line options
+* ``cost_curve_ms``: ``{q: median milliseconds of a target forward over q new tokens, ~256-token cache}``
+* ``runs``: one record per (method, prompt): ``method, dataset, prompt_id, new_tokens, seconds,
+  prefill_seconds, target_forwards, forward_sizes, target_forward_seconds, drafter_forward_seconds, tau,
+  ceiling, identical, peak_mem_mb`` and ``stats`` (hf_specdec's ``speculative_stats``, when available)
+* ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
+  efficiency, draft_share, loop_overhead, peak_mem_mb, mismatches``
+* ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..entry import decoding_method
+from .data import DATASETS, load
+from .oracle import OracleProposer
+
+SCHEMA = "hf_specdec.bench/1"
+
+
+# ----------------------------------------------------------------------------------------------------- probes
+class ForwardProbe:
+    """Counts and times the forwards of a module (hooks); records the number of new tokens of each."""
+
+    def __init__(self, module, time_calls: bool):
+        self.module = module
+        self.time_calls = time_calls
+        self.sizes: list[int] = []
+        self.seconds: list[float] = []
+        self._t0 = None
+        self._handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post),
+        ]
+
+    def _pre(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        self.sizes.append(int(ids.shape[1]) if ids is not None else 0)
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.seconds.append(time.perf_counter() - self._t0 if self.time_calls else 0.0)
+
+    def reset(self):
+        self.sizes, self.seconds = [], []
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+def _rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _reset_peak(device: torch.device) -> float:
+    """Reset the peak-memory counter; return the current usage (MB)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM (Linux)
+    except OSError:
+        pass
+    return _rss_mb()
+
+
+def _peak_since(device: torch.device, start: float) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20 - start
+    return max(_peak_rss_mb() - start, 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- methods
+@dataclass
+class Method:
+    name: str
+    kwargs: dict = field(default_factory=dict)
+    oracle_k: int | None = None
+    hf_specdec: bool = False  # returns speculative_stats
+
+
+def build_methods(names: list[str], drafter=None) -> list[Method]:
+    """Method names: plain, prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted."""
+    methods = []
+    for name in names:
+        base, _, arg = name.partition(":")
+        if base == "plain":
+            continue  # always run as the baseline
+        if base == "prompt_lookup":
+            methods.append(Method(name, {"custom_generate": decoding_method("prompt_lookup")}, hf_specdec=True))
+        elif base == "assisted":
+            if drafter is None:
+                raise ValueError("method 'assisted' needs --drafter")
+            methods.append(Method(name, {"custom_generate": decoding_method("assisted", drafter=drafter)},
+                                  hf_specdec=True))
+        elif base == "oracle":
+            methods.append(Method(name, oracle_k=int(arg or 4), hf_specdec=True))
+        elif base == "hf_prompt_lookup":
+            methods.append(Method(name, {"prompt_lookup_num_tokens": int(arg or 10)}))
+        elif base == "hf_assisted":
+            if drafter is None:
+                raise ValueError("method 'hf_assisted' needs --drafter")
+            methods.append(Method(name, {"assistant_model": drafter}))
+        else:
+            raise ValueError(f"Unknown benchmark method {name!r}")
+    return methods
+
+
+# ------------------------------------------------------------------------------------------------- the bench
+def forward_cost_curve(model, input_ids, sizes, reps: int = 5) -> dict[int, float]:
+    """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved)."""
+    from transformers import DynamicCache
+
+    device = model.device
+    vocab = model.config.get_text_config().vocab_size
+    times = {q: [] for q in sizes}
+    with torch.no_grad():
+        cache = DynamicCache()
+        model(input_ids=input_ids.to(device), cache=cache)
+        past = input_ids.shape[1]
+        for _ in range(reps):
+            for q in sizes:
+                x = torch.randint(0, vocab, (input_ids.shape[0], q), device=device)
+                pos = torch.arange(past, past + q, device=device)[None].expand(input_ids.shape[0], -1)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                model(input_ids=x, position_ids=pos, cache=cache)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[q].append(time.perf_counter() - t0)
+                cache.crop(-q)
+    return {q: 1000 * statistics.median(v) for q, v in times.items()}
+
+
+def _relative_cost(curve: dict[int, float], q: int) -> float:
+    if q in curve:
+        return curve[q] / curve[1]
+    keys = sorted(curve)
+    lo = max(k for k in keys if k <= q) if q >= keys[0] else keys[0]
+    hi = min((k for k in keys if k >= q), default=keys[-1])
+    if hi == lo:
+        return curve[lo] * (q / lo) / curve[1]
+    t = (q - lo) / (hi - lo)
+    return (curve[lo] + t * (curve[hi] - curve[lo])) / curve[1]
+
+
+def _encode(tokenizer, texts, device):
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=False) for t in texts]
+    enc = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
+    return {k: v.to(device) for k, v in enc.items()}
+
+
+def run_bench(model, tokenizer, methods: list[Method], datasets: list[str], limit: int, max_new_tokens: int,
+              batch_size: int = 1, drafter=None, out: str | None = None, memory_check: int = 0,
+              progress: bool = True, config: dict | None = None, seed: int = 0) -> dict:
+    from tqdm.auto import tqdm
+
+    device = model.device
+    time_calls = device.type != "cuda"  # per-forward timing would add a sync per forward on a GPU
+    probe = ForwardProbe(model, time_calls)
+    dprobe = ForwardProbe(drafter, time_calls) if drafter is not None else None
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
+    prompts = {ds: load(ds, limit, seed) for ds in datasets}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def one(method: Method | None, enc, reference=None):
+        kwargs = dict(gen)
+        if method is not None:
+            kwargs.update(method.kwargs)
+            if method.oracle_k is not None:
+                kwargs["custom_generate"] = decoding_method(OracleProposer(reference, method.oracle_k))
+            if method.hf_specdec:
+                kwargs["return_dict_in_generate"] = True
+        probe.reset()
+        if dprobe is not None:
+            dprobe.reset()
+        start_mem = _reset_peak(device)
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(**enc, **kwargs)
+        sync()
+        seconds = time.perf_counter() - t0
+        peak = _peak_since(device, start_mem)
+        sequences = out.sequences if hasattr(out, "sequences") else out
+        stats = getattr(out, "speculative_stats", None)
+        return sequences, seconds, peak, stats
+
+    # ---- warm-up: every method once, short
+    first = next(iter(prompts.values()))[:batch_size]
+    enc0 = _encode(tokenizer, [p.text for p in first], device)
+    ref0, *_ = one(None, enc0)
+    for m in methods:
+        one(m, enc0, ref0)
+
+    # ---- the cost of a forward over q new tokens, over a realistic cache
+    sizes = list(range(1, 17)) + [20, 24, 28, 32]
+    ctx = enc0["input_ids"][:1]
+    ctx = ctx.repeat(1, max(1, 256 // ctx.shape[1] + 1))[:, :256].repeat(batch_size, 1)
+    curve = forward_cost_curve(model, ctx, sizes)
+
+    runs = []
+    total = sum((len(p) + batch_size - 1) // batch_size for p in prompts.values())
+    bar = tqdm(total=total, desc="bench", disable=not progress, file=sys.stderr)
+    step = 0
+    for ds, plist in prompts.items():
+        for i in range(0, len(plist), batch_size):
+            batch = plist[i:i + batch_size]
+            enc = _encode(tokenizer, [p.text for p in batch], device)
+            prompt_len = enc["input_ids"].shape[1]
+            # the baseline first (the oracles need its output), then the methods in a rotating order
+            order = methods[step % len(methods):] + methods[: step % len(methods)] if methods else []
+            step += 1
+            ref, t_ref, mem_ref, _ = one(None, enc)
+            records = [(None, ref, t_ref, mem_ref, None, list(probe.sizes), list(probe.seconds), [])]
+            for m in order:
+                seq, secs, mem, stats = one(m, enc, ref)
+                records.append((m, seq, secs, mem, stats, list(probe.sizes), list(probe.seconds),
+                                list(dprobe.seconds) if dprobe is not None else []))
+            for m, seq, secs, mem, stats, fsizes, fsecs, dsecs in records:
+                new_tokens = int(seq.shape[1] - prompt_len) * seq.shape[0]
+                decode_sizes = fsizes[1:]
+                n_decode = max(new_tokens - seq.shape[0], 0)
+                cost = sum(_relative_cost(curve, q) for q in decode_sizes)
+                runs.append(dict(
+                    method=m.name if m else "plain", dataset=ds, prompt_id=",".join(p.id for p in batch),
+                    new_tokens=new_tokens, seconds=secs, prefill_seconds=fsecs[0] if fsecs else None,
+                    target_forwards=len(fsizes), forward_sizes=decode_sizes,
+                    target_forward_seconds=sum(fsecs), drafter_forward_seconds=sum(dsecs),
+                    tau=(n_decode / seq.shape[0]) / len(decode_sizes) if decode_sizes else None,
+                    ceiling=(n_decode / seq.shape[0]) / cost if cost else None,
+                    identical=bool(seq.shape == ref.shape and torch.equal(seq.cpu(), ref.cpu())),
+                    peak_mem_mb=mem, stats=stats, batch=len(batch),
+                ))
+            bar.update(1)
+    bar.close()
+    probe.remove()
+    if dprobe is not None:
+        dprobe.remove()
+
+    result = {
+        "schema": SCHEMA,
+        "machine": _machine(device),
+        "config": config or {},
+        "cost_curve_ms": curve,
+        "runs": runs,
+        "summary": summarize(runs, curve),
+    }
+    if memory_check:
+        result["memory_check"] = _memory_check(model, tokenizer, methods, enc0, ref0, gen, memory_check, one)
+    if out:
+        write_outputs(result, out)
+    return result
+
+
+def _memory_check(model, tokenizer, methods, enc, ref, gen, calls, one):
+    """Resident memory (MB) after each of ``calls`` consecutive generate calls per method."""
+    report = {}
+    for m in [None] + methods:
+        rss = []
+        for _ in range(calls):
+            one(m, enc, ref)
+            gc.collect()
+            rss.append(_rss_mb() if model.device.type != "cuda" else torch.cuda.memory_allocated() / 2**20)
+        tail = rss[len(rss) // 2:]
+        report[m.name if m else "plain"] = {
+            "rss_mb": rss,
+            "growth_mb_second_half": tail[-1] - tail[0] if len(tail) > 1 else 0.0,
+        }
+    return report
+
+
+def _machine(device):
+    import transformers
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
+def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
+    by_prompt = {}
+    for r in runs:
+        by_prompt.setdefault((r["dataset"], r["prompt_id"]), {})[r["method"]] = r
+    rows = []
+    methods = list(dict.fromkeys(r["method"] for r in runs))
+    datasets = list(dict.fromkeys(r["dataset"] for r in runs))
+    t1 = curve[1] / 1000
+    for ds in datasets:
+        for m in methods:
+            pairs = [(g["plain"], g[m]) for (d, _), g in by_prompt.items() if d == ds and m in g and "plain" in g]
+            if not pairs:
+                continue
+            base = [p for p, _ in pairs]
+            mine = [r for _, r in pairs]
+            ratios = [b["seconds"] / r["seconds"] for b, r in pairs]
+            taus = [r["tau"] for r in mine if r["tau"]]
+            ceilings = [r["ceiling"] for r in mine if r["ceiling"]]
+            # achieved speedup of the decode phase (prefill removed from both sides), against the ceiling
+            dec = [((b["seconds"] - (b["prefill_seconds"] or 0)) / max(r["seconds"] - (r["prefill_seconds"] or 0), 1e-9))
+                   for b, r in pairs]
+            eff = [d / c for d, c in zip(dec, [r["ceiling"] or 1 for r in mine])]
+            draft = [r["stats"]["draft_seconds"] / r["seconds"] for r in mine if r.get("stats")]
+            if not draft:
+                draft = [r["drafter_forward_seconds"] / r["seconds"] for r in mine if r["drafter_forward_seconds"]]
+            overhead = [
+                (r["seconds"] - r["target_forward_seconds"] - r["drafter_forward_seconds"]) / max(r["target_forwards"], 1)
+                / t1 for r in mine if r["target_forward_seconds"]
+            ]
+            rows.append(dict(
+                method=m, dataset=ds, prompts=len(pairs),
+                tau=statistics.mean(taus) if taus else None,
+                tokens_per_s=sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine),
+                speedup_median=statistics.median(ratios),
+                speedup_total=sum(b["seconds"] for b in base) / sum(r["seconds"] for r in mine),
+                ceiling=statistics.mean(ceilings) if ceilings else None,
+                efficiency=statistics.median(eff) if m != "plain" else None,
+                draft_share=statistics.mean(draft) if draft else 0.0,
+                loop_overhead=statistics.median(overhead) if overhead else None,
+                peak_mem_mb=max(r["peak_mem_mb"] for r in mine),
+                mismatches=sum(not r["identical"] for r in mine),
+            ))
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = ["| dataset | method | prompts | τ | tok/s | speedup (median) | speedup (total) | ceiling | efficiency "
+             "| draft share | loop overhead | peak MB | mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    for r in result["summary"]:
+        lines.append(
+            f"| {r['dataset']} | {r['method']} | {r['prompts']} | {f(r['tau'], '.2f')} | {r['tokens_per_s']:.1f} "
+            f"| {r['speedup_median']:.2f}x | {r['speedup_total']:.2f}x | {f(r['ceiling'], '.2f')} "
+            f"| {f(r['efficiency'], '.2f')} | {r['draft_share']:.1%} | {f(r['loop_overhead'], '.1%')} "
+            f"| {r['peak_mem_mb']:.0f} | {r['mismatches']} |")
+    curve = result["cost_curve_ms"]
+    lines.append("")
+    lines.append("Forward cost c(q) (ms, q new tokens over a 256-token cache): " + ", ".join(
+        f"{q}: {ms:.1f}" for q, ms in sorted(curve.items(), key=lambda kv: int(kv[0]))))
+    if "memory_check" in result:
+        lines.append("")
+        lines.append("Memory over consecutive calls (RSS growth over the second half, MB): " + ", ".join(
+            f"{m}: {v['growth_mb_second_half']:+.1f}" for m, v in result["memory_check"].items()))
+    return "\n".join(lines)
+
+
+def write_outputs(result: dict, out: str) -> None:
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "bench.json").write_text(json.dumps(result, indent=1, default=float))
+    (folder / "bench.md").write_text(markdown(result) + "\n")
+    try:
+        from .plots import plot_all
+
+        plot_all(result, folder)
+    except ImportError as err:
+        print(f"(plots skipped: {err}; pip install matplotlib)", file=sys.stderr)

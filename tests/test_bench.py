@@ -1,0 +1,57 @@
+"""The benchmark harness end to end on a tiny model (correctness of the report, not speed)."""
+
+import json
+
+import pytest
+
+from hf_specdec.bench import build_methods, markdown, run_bench
+from hf_specdec.bench.data import DATASETS, load
+from tiny import tiny_model, word_tokenizer
+
+
+def test_datasets_load_offline():
+    for ds in DATASETS:
+        prompts = load(ds, limit=3)
+        assert len(prompts) == 3 and all(p.text for p in prompts)
+    assert len(load("mtbench")) == 80 and len(load("humaneval")) == 164
+    copy = load("copy", limit=4)
+    assert any("Rename the variable" in p.text for p in copy)
+
+
+def test_unknown_method_or_missing_drafter():
+    with pytest.raises(ValueError, match="Unknown benchmark method"):
+        build_methods(["nope"])
+    with pytest.raises(ValueError, match="--drafter"):
+        build_methods(["assisted"])
+
+
+def test_bench_end_to_end(tmp_path):
+    model = tiny_model("llama", vocab=96)
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:40] }}{% endfor %}"
+    drafter = tiny_model("llama", seed=4)
+    methods = build_methods(["prompt_lookup", "hf_prompt_lookup:3", "oracle:2", "assisted", "hf_assisted"], drafter)
+    result = run_bench(model, tok, methods, ["gsm8k", "copy"], limit=2, max_new_tokens=8, batch_size=1,
+                       drafter=drafter, out=str(tmp_path), memory_check=2, progress=False)
+    assert result["schema"] == "hf_specdec.bench/1"
+    names = {r["method"] for r in result["summary"]}
+    assert names == {"plain", "prompt_lookup", "hf_prompt_lookup:3", "oracle:2", "assisted", "hf_assisted"}
+    assert all(r["mismatches"] == 0 for r in result["summary"])
+    oracle = [r for r in result["summary"] if r["method"] == "oracle:2"]
+    assert all(r["tau"] > 2 for r in oracle)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["summary"] and saved["runs"] and saved["cost_curve_ms"]
+    assert "| gsm8k | prompt_lookup |" in markdown(result)
+    assert set(result["memory_check"]) == names
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "speedup.png").is_file() and (tmp_path / "forward_cost.png").is_file()
+
+
+def test_bench_batched(tmp_path):
+    model = tiny_model("qwen2")
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:30] }}{% endfor %}"
+    methods = build_methods(["prompt_lookup", "oracle:3"])
+    result = run_bench(model, tok, methods, ["mtbench"], limit=4, max_new_tokens=6, batch_size=2, progress=False)
+    assert all(r["mismatches"] == 0 for r in result["summary"])
+    assert {r["prompts"] for r in result["summary"]} == {2}
