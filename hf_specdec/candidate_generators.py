@@ -108,7 +108,7 @@ class ProposerCandidateGenerator(CandidateGenerator):
 class PromptLookupCandidateGenerator(ProposerCandidateGenerator):
     """hf_specdec's adaptive prompt lookup (longest n-gram first, most recent match) for transformers' loop."""
 
-    def __init__(self, model, num_output_tokens: int = 10, max_matching_ngram_size: int = 3, adaptive: bool = True,
+    def __init__(self, model, num_output_tokens: int = 20, max_matching_ngram_size: int = 5, adaptive: bool = True,
                  logits_processor: LogitsProcessorList | None = None, max_length: int = 20, do_sample: bool = False):
         super().__init__(PromptLookupProposer(num_output_tokens, max_matching_ngram_size, adaptive=adaptive), model,
                          logits_processor, max_length, do_sample)

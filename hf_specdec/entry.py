@@ -48,8 +48,8 @@ def _build_prompt_lookup(target, opts: dict) -> PromptLookupProposer:
         return default if opts.get(key) is None else opts[key]
 
     return PromptLookupProposer(
-        num_tokens=given("prompt_lookup_num_tokens", 10),
-        max_ngram=given("max_matching_ngram_size", 3),
+        num_tokens=given("prompt_lookup_num_tokens", 20),
+        max_ngram=given("max_matching_ngram_size", 5),
         adaptive=opts.get("draft_length_schedule", "adaptive") != "constant",
     )
 

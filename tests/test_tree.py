@@ -30,6 +30,25 @@ def _linear_logits(model, ids, mask, extra):
     return out.logits[:, -1]
 
 
+def _prefill_all_but_last(model, ids, mask, static):
+    """Cache the prompt except its last token (the tree root); a static cache holds 64 columns."""
+    bsz = ids.shape[0]
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if static:
+        from transformers import StaticCache
+
+        cache = cache_ops.new_cache_like(model, StaticCache(config=model.config, max_cache_len=64), capacity=64)
+    else:
+        cache = DynamicCache()
+    past_ids, past_mask, past_pos = ids[:, :-1], mask[:, :-1], pos[:, :-1]
+    n_past = past_ids.shape[1]
+    full = torch.ones(n_past, n_past, dtype=torch.bool).tril()[None] & past_mask.bool()[:, None, :]
+    m = build_attention_mask(model.config, torch.zeros(bsz, 0, dtype=torch.bool), past_pos[:, :0], past_pos, full,
+                             torch.float32, kv_width=64 if static else None)
+    model(input_ids=past_ids, attention_mask=m, position_ids=past_pos, cache=cache)
+    return cache, pos, past_mask, past_pos, n_past
+
+
 def test_tree_structure():
     tree = _tree(2, torch.tensor([5, 6]))
     assert tree.depths[0].tolist() == [0, 1, 1, 2, 2, 2, 3]
@@ -49,21 +68,8 @@ def test_tree_logits_equal_linear_paths(arch, static):
     model = tiny_model(arch)
     bsz = 2
     ids, mask = prompts(bsz, length=11, seed=3)
-    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    if static:
-        from transformers import StaticCache
-
-        cache = cache_ops.new_cache_like(model, StaticCache(config=model.config, max_cache_len=64), capacity=64)
-    else:
-        cache = DynamicCache()
-    # prefill all but the last prompt token; the last one is the tree root
-    past_ids, past_mask, past_pos = ids[:, :-1], mask[:, :-1], pos[:, :-1]
-    n_past = past_ids.shape[1]
-    full = torch.ones(n_past, n_past, dtype=torch.bool).tril()[None] & past_mask.bool()[:, None, :]
-    m = build_attention_mask(model.config, torch.zeros(bsz, 0, dtype=torch.bool), past_pos[:, :0], past_pos, full,
-                             torch.float32, kv_width=64 if static else None)
     with torch.no_grad():
-        model(input_ids=past_ids, attention_mask=m, position_ids=past_pos, cache=cache)
+        cache, pos, past_mask, past_pos, n_past = _prefill_all_but_last(model, ids, mask, static)
         tree = _tree(bsz, ids[:, -1])
         node_pos = pos[:, -1:] + tree.depths
         m = build_attention_mask(model.config, past_mask.bool(), past_pos, node_pos, tree.ancestors, torch.float32,
@@ -89,21 +95,9 @@ def test_keep_accepted_path_then_continue(static):
     """After keeping a path's columns, the next token's logits equal a linear run of prompt + path."""
     model = tiny_model("llama")
     ids, mask = prompts(2, length=9, seed=4)
-    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     width = 64 if static else None
-    if static:
-        from transformers import StaticCache
-
-        cache = cache_ops.new_cache_like(model, StaticCache(config=model.config, max_cache_len=64), capacity=64)
-    else:
-        cache = DynamicCache()
-    past_ids, past_mask, past_pos = ids[:, :-1], mask[:, :-1], pos[:, :-1]
-    n_past = past_ids.shape[1]
-    full = torch.ones(n_past, n_past, dtype=torch.bool).tril()[None] & past_mask.bool()[:, None, :]
     with torch.no_grad():
-        model(input_ids=past_ids, position_ids=past_pos, cache=cache,
-              attention_mask=build_attention_mask(model.config, torch.zeros(2, 0, dtype=torch.bool), past_pos[:, :0],
-                                                  past_pos, full, torch.float32, kv_width=width))
+        cache, pos, past_mask, past_pos, n_past = _prefill_all_but_last(model, ids, mask, static)
         tree = _tree(2, ids[:, -1], seed=9)
         node_pos = pos[:, -1:] + tree.depths
         model(input_ids=tree.tokens, position_ids=node_pos, cache=cache,

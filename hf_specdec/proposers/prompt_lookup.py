@@ -39,7 +39,7 @@ class PromptLookupProposer(Proposer):
 
     name = "prompt_lookup"
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1, adaptive: bool = True):
+    def __init__(self, num_tokens: int = 20, max_ngram: int = 5, min_ngram: int = 1, adaptive: bool = True):
         if num_tokens < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num_tokens}.")
         if not 1 <= min_ngram <= max_ngram:
