@@ -265,6 +265,7 @@ def speculative_decode(
     max_length = generation_config.max_length
     attention_mask = model_kwargs.get("attention_mask")
     _check_inputs(model, input_ids, attention_mask, generation_config, logits_processor, max_length)
+    proposer.prepare(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     do_sample = bool(generation_config.do_sample)
@@ -409,18 +410,12 @@ def speculative_decode(
         # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
         kept = [len(p) for p in result.paths]
         width = max(kept)
+        path_nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=state.device)
         if result.is_prefix_paths():
             cache_ops.crop(cache, past + width)
         else:
-            index = torch.zeros(bsz, width, dtype=torch.long)
-            for b, p in enumerate(result.paths):
-                index[b, : len(p)] = torch.tensor(p, dtype=torch.long)
-            cache_ops.keep_columns(cache, past, index)
+            cache_ops.keep_columns(cache, past, path_nodes)
         keep = torch.tensor(kept, device=state.device)[:, None] > torch.arange(width, device=state.device)[None]
-        path_nodes = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
-        for b, p in enumerate(result.paths):
-            if p:
-                path_nodes[b, : len(p)] = torch.tensor(p, device=state.device)
         state.layout.append(keep, state.root_positions[:, None] + tree.depths.gather(1, path_nodes),
                             tree.tokens.gather(1, path_nodes))
         state.last_tree = tree
@@ -456,17 +451,10 @@ def speculative_decode(
     n_new = final_len - state.prompt_length
 
     def stack(rows):
-        vocab = rows[0][0].shape[-1] if rows and rows[0] else None
-        out = []
-        for t in range(n_new):
-            col = []
-            for b in range(bsz):
-                if t < len(rows[b]):
-                    col.append(rows[b][t])
-                else:  # the row had finished: plain generate() scored a padding step here
-                    col.append(torch.zeros(vocab if vocab else rows[b][0].shape[-1], device=state.device))
-            out.append(torch.stack(col))
-        return tuple(out)
+        """One ``[B, V]`` tensor per generated column; a row that had finished gets zeros there (plain
+        ``generate()`` scored a padding step that speculative decoding never runs)."""
+        filler = torch.zeros_like(next(r[0] for r in rows if r))
+        return tuple(torch.stack([r[t] if t < len(r) else filler for r in rows]) for t in range(n_new))
 
     return SpeculativeDecoderOnlyOutput(
         sequences=sequences,

@@ -29,41 +29,47 @@ def _method_files(method: str) -> dict[str, bytes]:
     return files
 
 
+def write_cached_repo(cache_dir: str | os.PathLike, repo_id: str, files: dict[str, bytes],
+                      repo_type: str = "model") -> Path:
+    """Write ``files`` as one revision of ``repo_id`` in a Hub cache, in huggingface_hub's layout
+    (``models--org--name/{blobs,snapshots/<commit>,refs/main}``); the commit hash is derived from the files.
+    Returns the snapshot folder. Used to install the method folders, and by tests to stage published layouts."""
+    digest = hashlib.sha1()
+    for name, data in sorted(files.items()):
+        digest.update(name.encode() + b"\0" + data)
+    commit = digest.hexdigest()
+    repo = Path(cache_dir) / f"{repo_type}s--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    for name, data in files.items():
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        if not blob.exists():
+            blob.write_bytes(data)
+        target = snapshot / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        try:
+            target.symlink_to(os.path.relpath(blob, target.parent))
+        except OSError:  # filesystems without symlinks
+            shutil.copyfile(blob, target)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
 def install_hub_cache(cache_dir: str | os.PathLike | None = None, org: str = DEFAULT_ORG,
                       methods: list[str] | None = None, verbose: bool = True) -> list[Path]:
     """Write ``<org>/<method>`` repositories into the Hub cache (``$HF_HUB_CACHE`` by default).
 
-    The layout is huggingface_hub's: ``models--<org>--<method>/{blobs,snapshots/<commit>,refs/main}``, the commit
-    hash derived from the files so that re-installing identical files is a no-op. Returns the snapshot folders.
+    Re-installing identical files is a no-op (same commit hash). Returns the snapshot folders.
     """
     from huggingface_hub import constants
 
     cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
     snapshots = []
     for method in methods or available_methods():
-        files = _method_files(method)
-        digest = hashlib.sha1()
-        for name, data in files.items():
-            digest.update(name.encode() + b"\0" + data)
-        commit = digest.hexdigest()
-        repo = cache / f"models--{org}--{method}"
-        snapshot = repo / "snapshots" / commit
-        for name, data in files.items():
-            blob_id = hashlib.sha256(data).hexdigest()
-            blob = repo / "blobs" / blob_id
-            blob.parent.mkdir(parents=True, exist_ok=True)
-            if not blob.exists():
-                blob.write_bytes(data)
-            target = snapshot / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists() or target.is_symlink():
-                target.unlink()
-            try:
-                target.symlink_to(os.path.relpath(blob, target.parent))
-            except OSError:  # filesystems without symlinks
-                shutil.copyfile(blob, target)
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / "main").write_text(commit)
+        snapshot = write_cached_repo(cache, f"{org}/{method}", _method_files(method))
         snapshots.append(snapshot)
         if verbose:
             print(f"installed {org}/{method} -> {snapshot}")

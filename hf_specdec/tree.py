@@ -130,7 +130,8 @@ def build_attention_mask(
 
     Args:
         config: the model config; decides whether a ``{"full_attention", "sliding_attention"}`` mapping is needed.
-        past_valid: ``[B, T]`` True where a cached column holds a real token (False: padding or a hole).
+        past_valid: ``[B, T]`` True where a cached column holds a real token (False: padding or a hole), or
+            ``[B, n, T]`` to say it per new token (draft-tree rows in a drafter cache).
         past_positions: ``[B, T]`` position id of each cached column.
         new_positions: ``[B, n]`` position ids of the new tokens.
         new_attends_new: ``[B, n, n]`` which new tokens each new token may see (tree ancestors, itself included).
@@ -141,11 +142,11 @@ def build_attention_mask(
     layer type for models that mix full and sliding-window layers. Sliding windows are applied by position ids,
     which is what plain ``generate()`` does for left-padded batches.
     """
-    bsz, past = past_valid.shape
+    bsz, past = past_valid.shape[0], past_valid.shape[-1]
     n = new_positions.shape[1]
     width = kv_width if kv_width is not None else past + n
     allowed = torch.zeros(bsz, n, width, dtype=torch.bool, device=past_valid.device)
-    allowed[:, :, :past] = past_valid[:, None, :]
+    allowed[:, :, :past] = past_valid if past_valid.dim() == 3 else past_valid[:, None, :]
     allowed[:, :, past:past + n] = new_attends_new
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)

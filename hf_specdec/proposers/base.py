@@ -13,7 +13,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class Proposer:
     """Drafts tokens for the decoding loop (:func:`hf_specdec.engine.speculative_decode`).
 
-    Life cycle inside one ``generate`` call: ``begin`` after the target's prefill, then per step ``propose`` ->
+    Life cycle inside one ``generate`` call: ``prepare`` before the target's prefill, ``begin`` after it (the first
+    token is committed), then per step ``propose`` ->
     (target verifies) -> ``commit``; ``end`` once. A proposer keeps its own state (a drafter KV cache, n-gram
     statistics) and nothing global.
 
@@ -28,6 +29,9 @@ class Proposer:
     target_hidden_states: list[int] | None = None
     max_nodes: int = 1
     name: str = "proposer"
+
+    def prepare(self, model) -> None:
+        """Called before the target's prefill: check the proposer fits ``model`` and set ``target_hidden_states``."""
 
     def begin(self, state: "DecodingState") -> None:
         """Called once after the target's prefill (the first token is already committed)."""

@@ -50,8 +50,10 @@ class DraftModelProposer(Proposer):
         self.max_tokens = num_tokens if num_tokens is not None else max_tokens
         self.max_nodes = self.max_tokens + 1
 
+    def prepare(self, model) -> None:
+        check_same_vocabulary(model, self.drafter)
+
     def begin(self, state) -> None:
-        check_same_vocabulary(state.model, self.drafter)
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns already in the drafter cache
         self.fed = 0  # columns the drafter added beyond `synced` in the last propose
