@@ -121,6 +121,16 @@ def main(argv=None) -> int:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)
 
+    p = sub.add_parser("convert", help="convert a published drafter (Hub repo id or folder) to hf_specdec's format")
+    p.add_argument("method", choices=["eagle3"])
+    p.add_argument("source", help="Hub repo id or local folder of the published drafter")
+    p.add_argument("out", help="output folder (safetensors + config)")
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
+    p.add_argument("--target", default=None, help="target model (path or Hub id) to check the drafter against")
+    p.add_argument("--layout", default="auto", help="force a layout (eagle3: research, specforge, speculators)")
+    p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as published)")
+    p.set_defaults(func=lambda a: _convert(a))
+
     p = sub.add_parser("install-hub-cache",
                        help="place the method folders in the local Hugging Face cache as hf_specdec/<method>")
     p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: $HF_HUB_CACHE)")
@@ -138,6 +148,19 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def _convert(args) -> int:
+    import torch
+
+    from .conversions.eagle3 import convert_eagle3
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    drafter = convert_eagle3(args.source, args.out, revision=args.revision, target=args.target, layout=args.layout,
+                             dtype=dtype)
+    print(f"converted {args.source} -> {args.out} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M "
+          "parameters incl. the target's embeddings, which are not saved)")
+    return 0
 
 
 def _install(args) -> int:

@@ -66,9 +66,41 @@ def _build_assisted(target, opts: dict) -> DraftModelProposer:
     return DraftModelProposer(drafter, num_tokens=num)
 
 
+def _load_eagle3(drafter, target):
+    from .modeling.eagle3 import Eagle3Drafter
+
+    if isinstance(drafter, Eagle3Drafter):
+        return drafter
+    if isinstance(drafter, torch.nn.Module):
+        raise TypeError(f"The eagle3 method needs an Eagle3Drafter, got {type(drafter).__name__}.")
+    if not isinstance(drafter, (str, os.PathLike)):
+        raise TypeError(f"drafter must be an Eagle3Drafter or a path / Hub repo id, got {type(drafter).__name__}.")
+    from .conversions.common import read_config, resolve_source
+    from .conversions.eagle3 import convert_eagle3
+
+    folder = resolve_source(drafter)
+    if read_config(folder).get("model_type") == "hf_specdec_eagle3":
+        model = Eagle3Drafter.from_pretrained(str(folder), dtype=target.dtype)
+    else:  # a published layout: convert in memory
+        model = convert_eagle3(folder, dtype=target.dtype)
+    return model.to(target.device).eval()
+
+
+def _build_eagle3(target, opts: dict):
+    from .proposers.eagle3 import Eagle3Proposer
+
+    if opts.get("drafter") is None:
+        raise ValueError("The 'eagle3' method needs an EAGLE-3 drafter: pass drafter=<Eagle3Drafter, converted "
+                         "folder, or a published repo id / folder>.")
+    drafter = _load_eagle3(opts["drafter"], target)
+    tree = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts.get(f"tree_{k}") is not None}
+    return Eagle3Proposer(drafter, num_speculative_tokens=opts.get("num_speculative_tokens"), **tree)
+
+
 METHODS: dict[str, Callable[[Any, dict], Any]] = {
     "prompt_lookup": _build_prompt_lookup,
     "assisted": _build_assisted,
+    "eagle3": _build_eagle3,
 }
 
 # generate() keyword arguments that configure a method (taken out before transformers sees them)
@@ -78,6 +110,9 @@ METHOD_KWARGS = (
     "prompt_lookup_num_tokens",
     "max_matching_ngram_size",
     "draft_length_schedule",
+    "tree_top_k",
+    "tree_depth",
+    "tree_total_tokens",
 )
 
 
@@ -124,11 +159,12 @@ def decoding_method(method, **defaults) -> Callable:
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
             drafter=None, num_speculative_tokens=None, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-            draft_length_schedule=None, **model_kwargs):
+            draft_length_schedule=None, tree_top_k=None, tree_depth=None, tree_total_tokens=None, **model_kwargs):
         given = {
             "drafter": drafter, "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size,
-            "draft_length_schedule": draft_length_schedule,
+            "draft_length_schedule": draft_length_schedule, "tree_top_k": tree_top_k, "tree_depth": tree_depth,
+            "tree_total_tokens": tree_total_tokens,
         }
         opts = {**defaults, **{k: v for k, v in given.items() if v is not None}}
         proposer = fixed if fixed is not None else build_proposer(method, model, **opts)

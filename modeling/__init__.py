@@ -1,1 +1,8 @@
-"""Drafter networks as transformers ``PreTrainedModel``s (installed as ``hf_specdec.modeling``)."""
+"""Drafter networks as transformers ``PreTrainedModel``s (installed as ``hf_specdec.modeling``).
+
+Importing this package registers the configs and models with transformers' Auto classes.
+"""
+
+from .eagle3 import Eagle3Config, Eagle3Drafter
+
+__all__ = ["Eagle3Config", "Eagle3Drafter"]

@@ -127,7 +127,18 @@ def target_and_exact():
     return model, _exact_distribution(model, PROMPT, processors)
 
 
-@pytest.mark.parametrize("method", ["assisted", "prompt_lookup", "sampled_tree", "topk_tree"])
+def _eagle3_drafter():
+    from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+
+    torch.manual_seed(3)
+    config = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=V, draft_vocab_size=V, num_target_layers=2, target_layer_ids=[0, 1, 2],
+                          initializer_range=0.5)
+    return Eagle3Drafter(config).eval()
+
+
+@pytest.mark.parametrize("method", ["assisted", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
+                                    "eagle3_chain"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
@@ -138,6 +149,11 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
                                             max_matching_ngram_size=1)
     elif method == "sampled_tree":
         custom = hf_specdec.decoding_method(SampledTree())
+    elif method == "eagle3_tree":
+        custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), tree_top_k=2, tree_depth=3,
+                                            tree_total_tokens=6)
+    elif method == "eagle3_chain":
+        custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
     else:
         custom = hf_specdec.decoding_method(TopKTree())
     counts, stats = _sample(model, PROMPT, custom)

@@ -1,0 +1,257 @@
+"""EAGLE-3 proposer: a dynamic draft tree (EAGLE-2) or a chain from an :class:`Eagle3Drafter`.
+
+Drafter rows pair a target feature with the *next* token: row ``t`` = ``(h_t, x_{t+1})`` at position ``t``. Every
+target cache column therefore has exactly one drafter row (its feature, the token of the row's next column, or the
+root for the last one), so the drafter's KV cache mirrors the target cache's column layout, holes included: after a
+step the rows of the accepted path are fed with the target's own features of those nodes; tree rows drafted from
+the drafter's own outputs are thrown away.
+
+Tree expansion (Li et al., EAGLE-2): the root row's logits give ``top_k`` depth-1 nodes; at every further depth the
+``top_k`` best frontier nodes (by cumulative log-probability) are expanded by ``top_k`` children each; finally the
+``total_tokens - 1`` best nodes of all depths form the tree. Children are deterministic top-k picks, so the sampling
+verifier uses its rule for deterministic drafts (exact). The chain mode (``num_speculative_tokens``) drafts the
+argmax, or samples from the drafter's distribution when the call samples (exact speculative sampling).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .. import cache as cache_ops
+from ..tree import DraftTree, build_attention_mask
+from .base import Proposer
+
+
+class Eagle3Proposer(Proposer):
+    """Args:
+        drafter: an ``Eagle3Drafter`` (bound to the target in ``begin``).
+        top_k, depth, total_tokens: the dynamic tree (reference defaults 10 / 7 / 60).
+        num_speculative_tokens: draft a chain of this length instead of a tree.
+    """
+
+    name = "eagle3"
+
+    def __init__(self, drafter, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
+                 num_speculative_tokens: int | None = None):
+        if num_speculative_tokens is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}.")
+        if num_speculative_tokens is None and not (top_k >= 1 and depth >= 1 and total_tokens >= 2):
+            raise ValueError("The EAGLE-3 tree needs top_k >= 1, depth >= 1 and total_tokens >= 2.")
+        self.drafter = drafter
+        self.chain = num_speculative_tokens
+        self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+        self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
+        self.target_hidden_states = None
+
+    # ---- life cycle
+    def prepare(self, model) -> None:
+        self.drafter.bind_target(model)
+        self.layer_ids = self.drafter.feature_layer_ids(model.config)
+        self.target_hidden_states = self.layer_ids
+
+    def begin(self, state) -> None:
+        self.device = self.drafter.fc.weight.device
+        self.dtype = self.drafter.fc.weight.dtype
+        self.cache = DynamicCache()
+        self.synced = 0  # target layout columns whose drafter rows are in the drafter cache
+        self.features = self._fuse(state.hidden_states)  # [B, T, 3H]: one fused feature per layout column
+
+    def _fuse(self, hidden_states) -> torch.Tensor:
+        if hidden_states is None:
+            raise RuntimeError("EAGLE-3 needs the target's hidden states; the loop did not return them.")
+        return torch.cat([hidden_states[i] for i in self.layer_ids], dim=-1).to(self.device, self.dtype)
+
+    def commit(self, state, tree, result) -> None:
+        width = max(len(p) for p in result.paths)
+        nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)
+        fused = self._fuse(state.hidden_states)  # [B, N, 3H] for every tree node
+        picked = fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))
+        self.features = torch.cat([self.features, picked], dim=1)
+
+    def on_compact(self, state, index) -> None:
+        self.features = self.features.gather(1, index.to(self.device)[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        self.cache = DynamicCache()
+        self.synced = 0
+
+    # ---- drafter forwards
+    def _mask(self, state, past_valid, past_pos, new_pos, new_attends):
+        return build_attention_mask(self.drafter.config, past_valid.to(self.device), past_pos.to(self.device),
+                                    new_pos.to(self.device), new_attends.to(self.device), self.dtype)
+
+    def _feed_context(self, state):
+        """Feed the drafter rows of the target columns it has not seen; return the root rows' outputs."""
+        layout = state.layout
+        start, end = self.synced, layout.length
+        bsz = state.batch_size
+        valid = layout.valid[:, start:end]
+        # the token after each column: the row's next real column, or the root after its last one
+        next_tok = torch.empty_like(layout.tokens[:, start:end])
+        roots = state.roots()
+        for b in range(bsz):
+            following = int(roots[b])
+            row_valid = valid[b].tolist()
+            row_tok = layout.tokens[b, start:end].tolist()
+            for j in range(end - start - 1, -1, -1):
+                next_tok[b, j] = following
+                if row_valid[j]:
+                    following = row_tok[j]
+        n = end - start
+        attends = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
+        attends |= torch.eye(n, dtype=torch.bool, device=valid.device)[None]  # holes still see themselves
+        mask = self._mask(state, layout.valid[:, :start], layout.positions[:, :start], layout.positions[:, start:end],
+                          attends)
+        logits, hidden = self.drafter(next_tok.to(self.device), self.features[:, start:end],
+                                      layout.positions[:, start:end].to(self.device), mask, self.cache)
+        self.synced = end
+        # the root row of a row is its last real column
+        last = torch.where(layout.valid, torch.arange(layout.length, device=valid.device), -1).max(1).values
+        idx = (last - start).clamp(min=0).to(self.device)
+        root_logits = logits.gather(1, idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+        root_hidden = hidden.gather(1, idx[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        return root_logits, root_hidden
+
+    def propose(self, state):
+        if self.synced > state.layout.length:  # cannot happen unless the layout was rebuilt
+            self.cache, self.synced = DynamicCache(), 0
+        root_logits, root_hidden = self._feed_context(state)
+        context = self.synced
+        try:
+            if self.chain:
+                return self._chain(state, root_logits, root_hidden)
+            return self._tree(state, root_logits, root_hidden)
+        finally:
+            cache_ops.crop(self.cache, context)  # tree rows are drafter guesses: never kept
+
+    def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos):
+        """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.
+
+        ``rows_visible`` is ``[B, k, R]``: which of the ``R`` earlier tree rows each new row may see (its ancestors);
+        each new row also sees the context and itself.
+        """
+        layout = state.layout
+        bsz, k = tokens.shape
+        context = layout.valid[:, None, :].expand(bsz, k, layout.length).to(self.device)
+        past_valid = torch.cat([context, rows_visible.to(self.device)], dim=2)
+        past_pos = torch.cat([layout.positions, rows_pos], dim=1)
+        own = torch.eye(k, dtype=torch.bool, device=self.device).expand(bsz, k, k)
+        mask = self._mask(state, past_valid, past_pos, positions, own)
+        return self.drafter(tokens.to(self.device), hidden, positions.to(self.device), mask, self.cache)
+
+    def _chain(self, state, logits, hidden):
+        bsz = state.batch_size
+        k = min(self.chain, max(state.max_drafts))
+        if k <= 0:
+            return None
+        drafts, probs = [], []
+        rows_valid = torch.zeros(bsz, 0, dtype=torch.bool, device=state.device)
+        rows_pos = torch.zeros(bsz, 0, dtype=torch.long, device=state.device)
+        for i in range(k):
+            scores = logits.float()
+            if state.do_sample:
+                p = torch.softmax(scores, dim=-1)
+                pick = torch.multinomial(p, 1)[:, 0]
+                full = torch.zeros(bsz, state.model.config.get_text_config().vocab_size, device=self.device)
+                full.index_add_(1, self.drafter.draft_to_target(torch.arange(p.shape[-1], device=self.device)), p)
+                probs.append(full.to(state.device))
+            else:
+                pick = scores.argmax(-1)
+            token = self.drafter.draft_to_target(pick)
+            drafts.append(token.to(state.device))
+            if i == k - 1:
+                break
+            pos = (state.root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
+            logits, hidden = self._step(state, token[:, None], hidden[:, None], pos, rows_valid[:, None, :], rows_pos)
+            logits, hidden = logits[:, 0], hidden[:, 0]
+            rows_valid = torch.cat([rows_valid, torch.ones(bsz, 1, dtype=torch.bool, device=state.device)], 1)
+            rows_pos = torch.cat([rows_pos, pos], 1)
+        counts = torch.tensor([min(m, k) for m in state.max_drafts], device=state.device)
+        draft_probs = torch.stack(probs, dim=1) if probs else None
+        return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1), counts, draft_probs)
+
+    def _tree(self, state, logits, hidden):
+        """EAGLE-2 dynamic tree, expanded for every row of the batch at once."""
+        bsz, dev = state.batch_size, self.device
+        top_k = self.top_k
+        max_depth = min(self.depth, max(state.max_drafts))
+        if max_depth <= 0:
+            return None
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        frontier_score, frontier_tok = logp.topk(top_k, dim=-1)  # [B, k]
+        # every candidate node: score, draft token, parent candidate index (-1 = root), depth
+        cand_score = [frontier_score]
+        cand_tok = [frontier_tok]
+        cand_parent = [torch.full((bsz, top_k), -1, dtype=torch.long, device=dev)]
+        cand_depth = [torch.ones(bsz, top_k, dtype=torch.long, device=dev)]
+        frontier_idx = torch.arange(top_k, device=dev).expand(bsz, top_k)  # candidate index of each frontier node
+        frontier_hidden = hidden[:, None].expand(-1, top_k, -1)
+        frontier_row_anc = torch.zeros(bsz, top_k, 0, dtype=torch.bool, device=dev)  # ancestors among fed rows
+        rows_pos = torch.zeros(bsz, 0, dtype=torch.long, device=state.device)
+        n_cand = top_k
+        for d in range(1, max_depth):
+            # feed the frontier: row (parent output, node token) at the position of the node's parent
+            pos = (state.root_positions + d - 1)[:, None].expand(-1, top_k)
+            tokens = self.drafter.draft_to_target(frontier_tok)
+            step_logits, step_hidden = self._step(state, tokens, frontier_hidden, pos, frontier_row_anc, rows_pos)
+            # ancestors-or-self of each row just fed, among all rows fed so far
+            row_anc = torch.cat([frontier_row_anc, torch.eye(top_k, dtype=torch.bool, device=dev).expand(bsz, -1, -1)],
+                                dim=2)
+            rows_pos = torch.cat([rows_pos, pos.to(state.device)], 1)
+            # children of every frontier node
+            child_logp, child_tok = torch.log_softmax(step_logits.float(), -1).topk(top_k, dim=-1)  # [B, k, k]
+            child_score = frontier_score[:, :, None] + child_logp
+            flat_score = child_score.reshape(bsz, -1)
+            cand_score.append(flat_score)
+            cand_tok.append(child_tok.reshape(bsz, -1))
+            cand_parent.append(frontier_idx[:, :, None].expand(-1, -1, top_k).reshape(bsz, -1))
+            cand_depth.append(torch.full((bsz, top_k * top_k), d + 1, dtype=torch.long, device=dev))
+            # the next frontier: the best k children overall
+            best_score, best = flat_score.topk(top_k, dim=-1)
+            parent_slot = best // top_k
+            frontier_score = best_score
+            frontier_tok = child_tok.reshape(bsz, -1).gather(1, best)
+            frontier_idx = n_cand + best
+            frontier_hidden = step_hidden.gather(1, parent_slot[:, :, None].expand(-1, -1, step_hidden.shape[-1]))
+            frontier_row_anc = row_anc.gather(1, parent_slot[:, :, None].expand(-1, -1, row_anc.shape[-1]))
+            n_cand += top_k * top_k
+        return self._select(state, torch.cat(cand_score, 1), torch.cat(cand_tok, 1), torch.cat(cand_parent, 1),
+                            torch.cat(cand_depth, 1))
+
+    def _select(self, state, score, tok, parent, depth):
+        """Keep the ``total_tokens - 1`` best candidates of each row (ancestor-closed), in parent-first order."""
+        bsz = state.batch_size
+        budget = torch.tensor(state.max_drafts, device=score.device)
+        score = score.masked_fill(depth > budget[:, None], float("-inf"))
+        keep_n = min(self.total_tokens - 1, score.shape[1])
+        rows_tokens, rows_parents = [], []
+        for b in range(bsz):
+            order = score[b].topk(keep_n).indices
+            finite = torch.isfinite(score[b, order])
+            chosen = set(order[finite].tolist())
+            par = parent[b].tolist()
+            for c in list(chosen):  # ties can leave a parent out: add ancestors back
+                p = par[c]
+                while p >= 0 and p not in chosen:
+                    chosen.add(p)
+                    p = par[p]
+            nodes = sorted(chosen)  # candidate indices grow with depth: parents come first
+            slot = {c: i + 1 for i, c in enumerate(nodes)}
+            rows_tokens.append([int(tok[b, c]) for c in nodes])
+            rows_parents.append([slot.get(par[c], 0) for c in nodes])
+        width = 1 + max(len(t) for t in rows_tokens)
+        tokens = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
+        parents = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
+        valid = torch.zeros(bsz, width, dtype=torch.bool, device=state.device)
+        tokens[:, 0] = state.roots()
+        parents[:, 0] = -1
+        valid[:, 0] = True
+        for b in range(bsz):
+            n = len(rows_tokens[b])
+            if n:
+                draft = self.drafter.draft_to_target(torch.tensor(rows_tokens[b], device=self.device))
+                tokens[b, 1:n + 1] = draft.to(state.device)
+                parents[b, 1:n + 1] = torch.tensor(rows_parents[b], device=state.device)
+                valid[b, 1:n + 1] = True
+        if width == 1:
+            return None
+        return DraftTree(tokens=tokens, parents=parents, valid=valid)
