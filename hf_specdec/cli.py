@@ -131,6 +131,25 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as published)")
     p.set_defaults(func=lambda a: _convert(a))
 
+    p = sub.add_parser("train", help="train a drafter for a target on ShareGPT (Accelerate; resumable)")
+    p.add_argument("method", choices=["eagle3", "draft"])
+    p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
+    p.add_argument("--out", required=True, help="output folder: features/, checkpoint-*/, final/")
+    p.add_argument("--features", default=None, help="folder of cached target features (default: <out>/features)")
+    p.add_argument("--samples", type=int, default=1500, help="conversations")
+    p.add_argument("--max-length", type=int, default=384, help="tokens per conversation")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
+    p.add_argument("--layers", type=int, default=4, help="draft: decoder layers of the student")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--grad-accum", type=int, default=4)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=lambda a: _train(a))
+
     p = sub.add_parser("install-hub-cache",
                        help="place the method folders in the local Hugging Face cache as hf_specdec/<method>")
     p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: $HF_HUB_CACHE)")
@@ -148,6 +167,28 @@ def main(argv=None) -> int:
 
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def _train(args) -> int:
+    from . import training
+
+    model, tok = _load_model(args.target, "float32", "cpu" if not _cuda() else "cuda")
+    config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
+                                  save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)
+    common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=args.features,
+                  seed=args.seed)
+    if args.method == "eagle3":
+        _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
+    else:
+        _, metrics = training.train_draft(model, tok, args.out, layers=args.layers, **common)
+    print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _convert(args) -> int:

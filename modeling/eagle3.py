@@ -249,7 +249,6 @@ class Eagle3Drafter(PreTrainedModel):
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool)
                              if config.draft_vocab_size == config.vocab_size
                              else torch.zeros(config.vocab_size, dtype=torch.bool))
-        self._bound_to = None
         self.post_init()
 
     def _init_weights(self, module):
@@ -271,7 +270,6 @@ class Eagle3Drafter(PreTrainedModel):
                              f"{tuple(self.embed_tokens.weight.shape)}.")
         self.embed_tokens.weight = emb if emb.device == self.fc.weight.device else nn.Parameter(
             emb.detach().to(self.fc.weight.device), requires_grad=False)
-        self._bound_to = target
         return self
 
     def feature_layer_ids(self, target_config) -> list[int]:

@@ -1,0 +1,100 @@
+"""Run the frozen target once over the training data and cache what drafters need, as safetensors shards.
+
+Per token: ``input_ids`` (int32), ``loss_mask`` (uint8), the target hidden states a drafter is fed (``features``,
+fp16, the requested HF ``hidden_states`` indices concatenated), the target's final post-norm hidden state
+(``last``, fp16) from which the target's own next-token distribution is recomputed exactly during training
+(``lm_head(last)``, for any draft vocabulary), and the target's greedy next token (``target_argmax``). Shards are written one after the other, so an interrupted run
+resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: int = 64, progress: bool = True):
+    """Write ``shard_XXXXX.safetensors`` files for ``samples`` (``(input_ids, loss_mask)`` lists) into ``out_dir``."""
+    from tqdm.auto import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_layers = target.config.get_text_config().num_hidden_layers
+    wanted = sorted(set(layer_ids) | {n_layers})
+    meta = {"layer_ids": list(layer_ids), "num_samples": len(samples), "shard_size": shard_size,
+            "hidden_size": target.config.get_text_config().hidden_size}
+    (out / "meta.json").write_text(json.dumps(meta))
+    shards = [samples[i:i + shard_size] for i in range(0, len(samples), shard_size)]
+    bar = tqdm(total=len(samples), desc="target features", disable=not progress, file=sys.stderr)
+    for k, shard in enumerate(shards):
+        path = out / f"shard_{k:05d}.safetensors"
+        if path.exists():
+            bar.update(len(shard))
+            continue
+        ids_all, mask_all, feats, lasts, argmax, offsets = [], [], [], [], [], [0]
+        with torch.no_grad():
+            for ids, mask in shard:
+                x = torch.tensor([ids], device=target.device)
+                hs = target(input_ids=x, output_hidden_states=wanted, logits_to_keep=1).hidden_states
+                feats.append(torch.cat([hs[i][0] for i in layer_ids], dim=-1).to(torch.float16).cpu())
+                lasts.append(hs[n_layers][0].to(torch.float16).cpu())
+                argmax.append(target.get_output_embeddings()(hs[n_layers][0]).argmax(-1).to(torch.int32).cpu())
+                ids_all.append(torch.tensor(ids, dtype=torch.int32))
+                mask_all.append(torch.tensor(mask, dtype=torch.uint8))
+                offsets.append(offsets[-1] + len(ids))
+                bar.update(1)
+        tmp = path.with_suffix(".tmp")
+        save_file({"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all), "features": torch.cat(feats),
+                   "last": torch.cat(lasts), "target_argmax": torch.cat(argmax),
+                   "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp))
+        tmp.rename(path)
+    bar.close()
+    return out
+
+
+class FeatureShards(torch.utils.data.Dataset):
+    """Sequences from cached shards: ``dict(input_ids, loss_mask, features, last)`` per sample."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+        self.meta = json.loads((self.folder / "meta.json").read_text())
+        self.index = []
+        self.files = sorted(self.folder.glob("shard_*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"No feature shards in {self.folder}; run the feature caching step first.")
+        self._cache = {}
+        for f, path in enumerate(self.files):
+            with safe_open(str(path), "pt") as handle:
+                offsets = handle.get_tensor("offsets").tolist()
+            self.index.extend((f, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1))
+
+    def __len__(self):
+        return len(self.index)
+
+    def _shard(self, f):
+        if f not in self._cache:
+            self._cache.clear()  # one shard in memory at a time (samples are read shard by shard)
+            with safe_open(str(self.files[f]), "pt") as handle:
+                self._cache[f] = {k: handle.get_tensor(k)
+                                  for k in ("input_ids", "loss_mask", "features", "last", "target_argmax")}
+        return self._cache[f]
+
+    def __getitem__(self, i):
+        f, start, end = self.index[i]
+        shard = self._shard(f)
+        return {k: v[start:end] for k, v in shard.items()}
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often every target token appears under the loss mask (to choose the draft vocabulary)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for path in self.files:
+            with safe_open(str(path), "pt") as handle:
+                ids = handle.get_tensor("input_ids").long()
+                mask = handle.get_tensor("loss_mask").bool()
+            counts += torch.bincount(ids[mask], minlength=vocab_size)
+        return counts
