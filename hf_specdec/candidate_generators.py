@@ -28,6 +28,7 @@ from .costs import ForwardCostModel
 from .engine import DecodingState
 from .entry import build_proposer
 from .proposers import DraftModelProposer, PromptLookupProposer
+from .tree import DraftTree
 from .verify import AcceptResult
 
 
@@ -51,10 +52,17 @@ class ProposerCandidateGenerator(CandidateGenerator):
         self.do_sample = do_sample
         self.cost_model = ForwardCostModel(model.device.type)
         self.state: DecodingState | None = None
-        self._tree = None
+        self._tree = None  # the drafts of the step in flight
+        self._matches = None  # how many of them transformers accepted
         self._t_sent = None
+        proposer.prepare(model)
+        # proposers fed with target hidden states (EAGLE-3) get them from transformers' previous forward
+        self.requires_model_outputs = proposer.target_hidden_states is not None
+        if self.requires_model_outputs:
+            self.model_kwargs_overrides = {"output_hidden_states": list(proposer.target_hidden_states)}
 
-    def _sync(self, input_ids: torch.LongTensor) -> DecodingState:
+    def _sync(self, input_ids: torch.LongTensor, hidden_states=None) -> DecodingState:
+        """The loop state for ``input_ids`` (all committed tokens; the last one is not in the target cache)."""
         if input_ids.shape[0] != 1:
             raise ValueError("transformers' assisted loop runs batch size 1; use custom_generate='hf_specdec/...' "
                              "for batches.")
@@ -71,14 +79,25 @@ class ProposerCandidateGenerator(CandidateGenerator):
                                    tokens=input_ids[:, :-1])
         state.root_positions = input_ids.new_tensor([length - 1])
         state.max_drafts = [max(self.max_length - length - 1, 0)]
+        state.hidden_states = hidden_states
         if first:
             self.proposer.begin(state)
         return state
 
-    def get_candidates(self, input_ids: torch.LongTensor, **kwargs):
-        state = self._sync(input_ids)
+    def get_candidates(self, input_ids: torch.LongTensor, model_outputs=None, n_last_matches=None, **kwargs):
+        if self.requires_model_outputs and model_outputs is None:
+            return input_ids, None  # the first forward is a plain prefill that yields the prompt's hidden states
+        hidden = model_outputs.hidden_states if self.requires_model_outputs else None
+        first = self.state is None
+        state = self._sync(input_ids, hidden)
+        if not first:
+            # the previous step's outcome: transformers kept its root and the accepted drafts
+            n = int(n_last_matches) if n_last_matches is not None else int(self._matches or 0)
+            tree = self._tree if self._tree is not None else DraftTree.chain(input_ids[:, -(n + 2):-(n + 1)][:, 0])
+            result = AcceptResult(paths=[list(range(n + 1))], new_tokens=[input_ids[0, -(n + 1):].tolist()])
+            self.proposer.commit(state, tree, result)
         tree = self.proposer.propose(state) if state.max_drafts[0] > 0 else None
-        self._tree = tree
+        self._tree, self._matches = tree, None
         self._t_sent = time.perf_counter()
         if tree is None:
             return input_ids, None
@@ -92,17 +111,9 @@ class ProposerCandidateGenerator(CandidateGenerator):
         return candidates, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        n = int(num_matches)
-        tree = self._tree
-        if tree is None or self.state is None:
-            return
-        k = int(tree.valid[0].sum())
-        if self._t_sent is not None:
-            self.cost_model.record(k, time.perf_counter() - self._t_sent)
-        state = self._sync(input_ids)
-        # transformers cut its cache to the n accepted drafts; mirror it: root + n drafts were kept
-        result = AcceptResult(paths=[list(range(n + 1))], new_tokens=[input_ids[0, -(n + 1):].tolist()])
-        self.proposer.commit(state, tree, result)
+        self._matches = int(num_matches)
+        if self._tree is not None and self._t_sent is not None:
+            self.cost_model.record(int(self._tree.valid[0].sum()), time.perf_counter() - self._t_sent)
 
 
 class PromptLookupCandidateGenerator(ProposerCandidateGenerator):

@@ -47,6 +47,22 @@ def test_bench_end_to_end(tmp_path):
     assert (tmp_path / "speedup.png").is_file() and (tmp_path / "forward_cost.png").is_file()
 
 
+def test_bench_eagle3_methods():
+    from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+
+    model = tiny_model("llama", layers=4)
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:30] }}{% endfor %}"
+    drafter = Eagle3Drafter(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=96, num_target_layers=4)).eval()
+    methods = build_methods(["eagle3:3-2-6", "eagle3_chain:2"], eagle3=drafter)
+    result = run_bench(model, tok, methods, ["gsm8k"], limit=2, max_new_tokens=6, progress=False)
+    assert {r["method"] for r in result["summary"]} == {"plain", "eagle3:3-2-6", "eagle3_chain:2"}
+    assert all(r["mismatches"] == 0 for r in result["summary"])
+    with pytest.raises(ValueError, match="--eagle3"):
+        build_methods(["eagle3"])
+
+
 def test_bench_batched(tmp_path):
     model = tiny_model("qwen2")
     tok = word_tokenizer()

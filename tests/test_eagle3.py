@@ -226,3 +226,49 @@ def test_entry_by_folder_and_published_layout(hub, tmp_path):
     out = target.generate(ids, **kw, custom_generate=hf_specdec.custom_generate_path("eagle3"),
                           trust_remote_code=True, drafter=str(tmp_path / "conv"), num_speculative_tokens=2)
     assert torch.equal(out, ref)
+
+
+def test_eagle3_chain_in_transformers_loop():
+    from hf_specdec.candidate_generators import in_transformers_loop
+
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle_drafter(target, draft_vocab=VOCAB)
+    ids, _ = prompts(1, 12)
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    ref = target.generate(ids, **kw)
+    out = target.generate(ids, **kw, custom_generate=in_transformers_loop("eagle3", num_speculative_tokens=3),
+                          drafter=drafter)
+    assert torch.equal(out, ref)
+
+
+def test_eagle3_pipeline_and_push_to_hub(tmp_path, monkeypatch):
+    from transformers import pipeline
+
+    from tiny import word_tokenizer
+
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle_drafter(target)
+    tok = word_tokenizer()
+    pipe = pipeline("text-generation", model=target, tokenizer=tok)
+    kw = dict(max_new_tokens=8, do_sample=False, return_full_text=False)
+    texts = ["abcabcabc", "hello!!"]
+    assert pipe(texts, batch_size=2, **kw, custom_generate=hf_specdec.custom_generate_path("eagle3"),
+                trust_remote_code=True, drafter=drafter) == pipe(texts, batch_size=2, **kw)
+    # push_to_hub uploads what save_pretrained writes (the upload itself is intercepted: no network here)
+    import types
+
+    from transformers.utils.hub import PushToHubMixin
+
+    uploaded = {}
+
+    def fake_upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        uploaded["repo"] = repo_id
+        uploaded["files"] = sorted(p.name for p in __import__("pathlib").Path(working_dir).iterdir())
+        return "https://huggingface.co/fake/commit"
+
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo",
+                        lambda self, repo_id, **k: types.SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr(PushToHubMixin, "_upload_modified_files", fake_upload)
+    drafter.push_to_hub("me/tiny-eagle3")
+    assert uploaded["repo"] == "me/tiny-eagle3"
+    assert {"config.json", "model.safetensors"} <= set(uploaded["files"])

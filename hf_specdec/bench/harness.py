@@ -132,8 +132,10 @@ class Method:
     hf_specdec: bool = False  # returns speculative_stats
 
 
-def build_methods(names: list[str], drafter=None) -> list[Method]:
-    """Method names: plain, prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted."""
+def build_methods(names: list[str], drafter=None, eagle3=None) -> list[Method]:
+    """Method names: plain, prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, eagle3[:TOPK-DEPTH-
+    TOTAL] (dynamic tree), eagle3_chain:K. ``drafter`` is the draft model of the assisted methods, ``eagle3`` an
+    EAGLE-3 drafter."""
     methods = []
     for name in names:
         base, _, arg = name.partition(":")
@@ -154,6 +156,17 @@ def build_methods(names: list[str], drafter=None) -> list[Method]:
             if drafter is None:
                 raise ValueError("method 'hf_assisted' needs --drafter")
             methods.append(Method(name, {"assistant_model": drafter}))
+        elif base in ("eagle3", "eagle3_chain"):
+            if eagle3 is None:
+                raise ValueError(f"method {base!r} needs --eagle3 <drafter>")
+            if base == "eagle3_chain":
+                opts = {"num_speculative_tokens": int(arg or 4)}
+            else:
+                k, d, t = (int(x) for x in arg.split("-")) if arg else (None, None, None)
+                opts = {key: v for key, v in (("tree_top_k", k), ("tree_depth", d), ("tree_total_tokens", t))
+                        if v is not None}
+            methods.append(Method(name, {"custom_generate": decoding_method("eagle3", drafter=eagle3, **opts)},
+                                  hf_specdec=True))
         else:
             raise ValueError(f"Unknown benchmark method {name!r}")
     return methods
