@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=1500, help="conversations")
     p.add_argument("--max-length", type=int, default=384, help="tokens per conversation")
     p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
+    p.add_argument("--regenerate", type=int, default=0, metavar="N",
+                   help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
     p.add_argument("--layers", type=int, default=4, help="draft: decoder layers of the student")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-steps", type=int, default=None)
@@ -182,7 +184,7 @@ def _train(args) -> int:
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=args.features,
-                  seed=args.seed)
+                  seed=args.seed, regenerate_max_new_tokens=args.regenerate or None)
     if args.method == "eagle3":
         _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
     else:

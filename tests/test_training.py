@@ -118,3 +118,15 @@ def test_ttt_loss_shapes():
     loss.backward()
     assert set(metrics) == {"acc0", "acc1", "acc2", "loss0", "loss1", "loss2"}
     assert drafter.fc.weight.grad is not None and drafter.embed_tokens.weight.grad is None
+
+
+def test_regenerated_answers_come_from_the_target(tok, conversations):
+    target = tiny_model("llama", layers=2, hidden=32)
+    regen = data_mod.regenerate(target, tok, conversations[:3], max_new_tokens=6, batch_size=2, progress=False)
+    assert len(regen) >= 1
+    for conv in regen:
+        assert [t["role"] for t in conv] == ["user", "assistant"]
+        prompt = tok.apply_chat_template(conv[:1], add_generation_prompt=True, tokenize=False)
+        enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+        greedy = target.generate(**enc, max_new_tokens=6, do_sample=False)
+        assert tok.decode(greedy[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() == conv[1]["content"]

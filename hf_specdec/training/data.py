@@ -74,11 +74,50 @@ def tokenize_conversation(tokenizer, turns: list[dict], max_length: int):
     return ids[:max_length], mask[:max_length]
 
 
-def training_samples(tokenizer, count: int, max_length: int = 512, seed: int = 0, min_assistant_tokens: int = 16):
-    """``count`` tokenized ShareGPT conversations (seeded order) with at least a few assistant tokens."""
+def regenerate(target, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 256, batch_size: int = 8,
+               progress: bool = True) -> list[list[dict]]:
+    """Replace each conversation by its first user turn and the target's own greedy answer (what the drafter will
+    see at inference), generated in left-padded batches with hf_specdec's prompt lookup (lossless)."""
+    import sys
+
+    import torch
+    from tqdm.auto import tqdm
+
+    from ..entry import decoding_method
+
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    firsts = [[next(t for t in turns if t["role"] == "user")] for turns in conversations]
+    out = []
+    try:
+        for i in tqdm(range(0, len(firsts), batch_size), desc="regenerate", disable=not progress, file=sys.stderr):
+            chunk = firsts[i:i + batch_size]
+            texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chunk]
+            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
+            with torch.no_grad():
+                gen = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                      custom_generate=decoding_method("prompt_lookup"))
+            for c, row in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
+                answer = tokenizer.decode(row, skip_special_tokens=True).strip()
+                if answer:
+                    out.append(c + [{"role": "assistant", "content": answer}])
+    finally:
+        tokenizer.padding_side = side
+    return out
+
+
+def training_samples(tokenizer, count: int, max_length: int = 512, seed: int = 0, min_assistant_tokens: int = 16,
+                     target=None, regenerate_max_new_tokens: int | None = None):
+    """``count`` tokenized ShareGPT conversations (seeded order) with at least a few assistant tokens.
+
+    With ``target`` and ``regenerate_max_new_tokens``, the answers are the target's own (see :func:`regenerate`).
+    """
     conversations = read_sharegpt()
     rng = random.Random(seed)
     rng.shuffle(conversations)
+    if target is not None and regenerate_max_new_tokens:
+        conversations = regenerate(target, tokenizer, conversations[: int(count * 1.2) + 8],
+                                   max_new_tokens=regenerate_max_new_tokens)
     samples = []
     for turns in conversations:
         encoded = tokenize_conversation(tokenizer, turns, max_length)
