@@ -94,7 +94,8 @@ def _build_eagle3(target, opts: dict):
                          "folder, or a published repo id / folder>.")
     drafter = _load_eagle3(opts["drafter"], target)
     tree = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts.get(f"tree_{k}") is not None}
-    return Eagle3Proposer(drafter, num_speculative_tokens=opts.get("num_speculative_tokens"), **tree)
+    return Eagle3Proposer(drafter, num_speculative_tokens=opts.get("num_speculative_tokens"),
+                          adaptive=opts.get("draft_length_schedule", "adaptive") != "constant", **tree)
 
 
 METHODS: dict[str, Callable[[Any, dict], Any]] = {

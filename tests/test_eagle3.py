@@ -192,11 +192,31 @@ def test_greedy_lossless(arch, bsz, mode):
     kw = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
     ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
     opts = {"num_speculative_tokens": 3} if mode == "chain" else {"tree_top_k": 4, "tree_depth": 3,
-                                                                    "tree_total_tokens": 12}
+                                                                    "tree_total_tokens": 12,
+                                                                    "draft_length_schedule": "constant"}
     out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
                           custom_generate=hf_specdec.decoding_method("eagle3"), drafter=drafter, **opts)
     assert torch.equal(out.sequences, ref)
     assert out.speculative_stats["proposed_drafts"] > 0
+
+
+def test_adaptive_tree_size_follows_confidence():
+    """The adaptive tree verifies fewer nodes when the drafter is unsure; outputs stay identical."""
+    target = tiny_model("llama", layers=4, hidden=H)
+    ids, _ = prompts(1, 12)
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, return_dict_in_generate=True)
+    ref = target.generate(ids, **{k: v for k, v in kw.items() if k != "return_dict_in_generate"})
+    sizes = {}
+    for name, scale in (("flat", 0.05), ("sharp", 3.0)):
+        drafter = _eagle_drafter(target, draft_vocab=VOCAB)
+        with torch.no_grad():
+            drafter.lm_head.weight.mul_(scale)
+        out = target.generate(ids, **kw, custom_generate=hf_specdec.decoding_method("eagle3"), drafter=drafter,
+                              tree_top_k=4, tree_depth=4, tree_total_tokens=20)
+        assert torch.equal(out.sequences, ref)
+        stats = out.speculative_stats
+        sizes[name] = stats["proposed_drafts"] / max(stats["verify_row_steps"], 1)
+    assert sizes["flat"] < sizes["sharp"]
 
 
 def test_full_draft_vocabulary_and_static_cache():

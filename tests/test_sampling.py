@@ -151,7 +151,7 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
         custom = hf_specdec.decoding_method(SampledTree())
     elif method == "eagle3_tree":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), tree_top_k=2, tree_depth=3,
-                                            tree_total_tokens=6)
+                                            tree_total_tokens=6, draft_length_schedule="constant")
     elif method == "eagle3_chain":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
     else:

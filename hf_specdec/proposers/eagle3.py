@@ -33,12 +33,15 @@ class Eagle3Proposer(Proposer):
     name = "eagle3"
 
     def __init__(self, drafter, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
-                 num_speculative_tokens: int | None = None):
+                 num_speculative_tokens: int | None = None, adaptive: bool = True):
         if num_speculative_tokens is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}.")
         if num_speculative_tokens is None and not (top_k >= 1 and depth >= 1 and total_tokens >= 2):
             raise ValueError("The EAGLE-3 tree needs top_k >= 1, depth >= 1 and total_tokens >= 2.")
         self.drafter = drafter
+        self.adaptive = adaptive
+        self.calibration = 1.0  # accepted drafts / predicted (drafter probabilities), running
+        self._predicted = None
         self.chain = num_speculative_tokens
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
@@ -63,6 +66,13 @@ class Eagle3Proposer(Proposer):
         return torch.cat([hidden_states[i] for i in self.layer_ids], dim=-1).to(self.device, self.dtype)
 
     def commit(self, state, tree, result) -> None:
+        if self._predicted is not None and tree is not None and not tree.is_chain:
+            predicted = sum(self._predicted)
+            accepted = sum(result.num_accepted)
+            if predicted > 0:
+                ratio = min(max(accepted / predicted, 0.2), 2.0)
+                self.calibration = 0.9 * self.calibration + 0.1 * ratio
+            self._predicted = None
         width = max(len(p) for p in result.paths)
         nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)
         fused = self._fuse(state.hidden_states)  # [B, N, 3H] for every tree node
@@ -217,17 +227,37 @@ class Eagle3Proposer(Proposer):
         return self._select(state, torch.cat(cand_score, 1), torch.cat(cand_tok, 1), torch.cat(cand_parent, 1),
                             torch.cat(cand_depth, 1))
 
+    def _tree_size(self, state, probs: torch.Tensor) -> int:
+        """How many of the best candidates to verify: the count that maximises expected committed tokens per unit of
+        forward cost. A candidate lies on the accepted path with probability ~ its cumulative drafter probability
+        (scaled by a running calibration of predicted vs accepted drafts)."""
+        if not self.adaptive:
+            return probs.shape[0]
+        expected = 1.0 + torch.cumsum(probs * self.calibration, 0)
+        best_n, best_rate = 0, 1.0
+        for n in range(1, probs.shape[0] + 1):
+            rate = float(expected[n - 1]) / state.cost_model.relative(n + 1)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n
+
     def _select(self, state, score, tok, parent, depth):
-        """Keep the ``total_tokens - 1`` best candidates of each row (ancestor-closed), in parent-first order."""
+        """Keep the best candidates of each row (at most ``total_tokens - 1``, fewer when more would not pay for
+        their verification), ancestor-closed, in parent-first order."""
         bsz = state.batch_size
         budget = torch.tensor(state.max_drafts, device=score.device)
         score = score.masked_fill(depth > budget[:, None], float("-inf"))
         keep_n = min(self.total_tokens - 1, score.shape[1])
         rows_tokens, rows_parents = [], []
+        self._predicted = []
         for b in range(bsz):
-            order = score[b].topk(keep_n).indices
-            finite = torch.isfinite(score[b, order])
-            chosen = set(order[finite].tolist())
+            top = score[b].topk(keep_n)
+            finite = torch.isfinite(top.values)
+            order, probs = top.indices[finite], top.values[finite].exp()
+            n = self._tree_size(state, probs)
+            order, probs = order[:n], probs[:n]
+            self._predicted.append(float(probs.sum()))
+            chosen = set(order.tolist())
             par = parent[b].tolist()
             for c in list(chosen):  # ties can leave a parent out: add ancestors back
                 p = par[c]
@@ -239,6 +269,8 @@ class Eagle3Proposer(Proposer):
             rows_tokens.append([int(tok[b, c]) for c in nodes])
             rows_parents.append([slot.get(par[c], 0) for c in nodes])
         width = 1 + max(len(t) for t in rows_tokens)
+        if width == 1:
+            return None
         tokens = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
         parents = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
         valid = torch.zeros(bsz, width, dtype=torch.bool, device=state.device)
@@ -252,6 +284,4 @@ class Eagle3Proposer(Proposer):
                 tokens[b, 1:n + 1] = draft.to(state.device)
                 parents[b, 1:n + 1] = torch.tensor(rows_parents[b], device=state.device)
                 valid[b, 1:n + 1] = True
-        if width == 1:
-            return None
         return DraftTree(tokens=tokens, parents=parents, valid=valid)
