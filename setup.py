@@ -31,7 +31,8 @@ setup(
         "hf_specdec.conversions": "conversions",
     },
     package_data={
-        "hf_specdec": ["*/custom_generate/*.py", "*/custom_generate/*.txt", "*/README.md"],
+        "hf_specdec": ["*/custom_generate/*.py", "*/custom_generate/*.txt", "*/README.md",
+                       "drafters/*/*.json", "drafters/*/*.safetensors", "drafters/*/*.md"],
         "hf_specdec.bench": ["data/*.jsonl", "data/*.gz", "data/*.md"],
     },
     install_requires=[

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from pathlib import Path
 import sysconfig
 import time
 
@@ -42,10 +43,28 @@ def _encode(tokenizer, prompt):
                                          return_tensors="pt", return_dict=True)
 
 
-def available_demo_methods(drafter=None) -> dict[str, dict]:
+SHIPPED = Path(__file__).parent / "drafters"
+
+
+def shipped_drafter(name: str) -> Path | None:
+    """A drafter trained by this project and shipped with the package (``hf_specdec/drafters/<name>``), if present."""
+    folder = SHIPPED / name
+    return folder if (folder / "config.json").is_file() else None
+
+
+def available_demo_methods(model) -> dict[str, dict]:
+    """Prompt lookup, plus every method whose SmolLM2 drafter ships with the package."""
     methods = {"prompt_lookup": {}}
-    if drafter is not None:
-        methods["assisted"] = {"drafter": drafter}
+    eagle = shipped_drafter("smollm2-135m-instruct-eagle3")
+    if eagle is not None:
+        from .entry import _load_eagle3
+
+        methods["eagle3"] = {"drafter": _load_eagle3(str(eagle), model)}
+    student = shipped_drafter("smollm2-135m-instruct-student")
+    if student is not None:
+        from .entry import _load_drafter
+
+        methods["assisted"] = {"drafter": _load_drafter(str(student), model)}
     return methods
 
 
@@ -55,8 +74,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(verbose=verbose)
-    # the project's trained draft models are added here once they exist (see the README)
-    candidates = available_demo_methods()
+    candidates = available_demo_methods(model)
     chosen = {m: candidates[m] for m in (methods or candidates)}
     prompts = demo_prompts()
     encoded = [_encode(tokenizer, p) for _, p in prompts]
