@@ -128,12 +128,13 @@ def main(argv=None) -> int:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("convert", help="convert a published drafter (Hub repo id or folder) to hf_specdec's format")
-    p.add_argument("method", choices=["eagle3"])
+    p.add_argument("method", choices=["eagle3", "dflash"])
     p.add_argument("source", help="Hub repo id or local folder of the published drafter")
     p.add_argument("out", help="output folder (safetensors + config)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--target", default=None, help="target model (path or Hub id) to check the drafter against")
-    p.add_argument("--layout", default="auto", help="force a layout (eagle3: research, specforge, speculators)")
+    p.add_argument("--layout", default="auto",
+                   help="force a layout (eagle3: research, specforge, speculators; dflash: zlab, muse_glimmer)")
     p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as published)")
     p.set_defaults(func=lambda a: _convert(a))
 
@@ -202,13 +203,15 @@ def _cuda() -> bool:
 def _convert(args) -> int:
     import torch
 
+    from .conversions.dflash import convert_dflash
     from .conversions.eagle3 import convert_eagle3
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    drafter = convert_eagle3(args.source, args.out, revision=args.revision, target=args.target, layout=args.layout,
-                             dtype=dtype)
+    convert = {"eagle3": convert_eagle3, "dflash": convert_dflash}[args.method]
+    drafter = convert(args.source, args.out, revision=args.revision, target=args.target, layout=args.layout,
+                      dtype=dtype)
     print(f"converted {args.source} -> {args.out} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M "
-          "parameters incl. the target's embeddings, which are not saved)")
+          "parameters; the target's embeddings are never saved)")
     return 0
 
 

@@ -67,23 +67,45 @@ def _build_assisted(target, opts: dict) -> DraftModelProposer:
 
 
 def _load_eagle3(drafter, target):
-    from .modeling.eagle3 import Eagle3Drafter
+    from .conversions.eagle3 import convert_eagle3
+    from .modeling.eagle3 import Eagle3Config, Eagle3Drafter
 
-    if isinstance(drafter, Eagle3Drafter):
+    return _load_published(drafter, target, Eagle3Drafter, Eagle3Config.model_type, convert_eagle3)
+
+
+def _load_published(drafter, target, model_cls, model_type: str, convert):
+    """A drafter given as an object, a converted folder, or a published repo id / folder (converted in memory)."""
+    if isinstance(drafter, model_cls):
         return drafter
     if isinstance(drafter, torch.nn.Module):
-        raise TypeError(f"The eagle3 method needs an Eagle3Drafter, got {type(drafter).__name__}.")
+        raise TypeError(f"This method needs a {model_cls.__name__}, got {type(drafter).__name__}.")
     if not isinstance(drafter, (str, os.PathLike)):
-        raise TypeError(f"drafter must be an Eagle3Drafter or a path / Hub repo id, got {type(drafter).__name__}.")
+        raise TypeError(f"drafter must be a {model_cls.__name__} or a path / Hub repo id, got {type(drafter).__name__}.")
     from .conversions.common import read_config, resolve_source
-    from .conversions.eagle3 import convert_eagle3
 
     folder = resolve_source(drafter)
-    if read_config(folder).get("model_type") == "hf_specdec_eagle3":
-        model = Eagle3Drafter.from_pretrained(str(folder), dtype=target.dtype)
-    else:  # a published layout: convert in memory
-        model = convert_eagle3(folder, dtype=target.dtype)
+    if read_config(folder).get("model_type") == model_type:
+        model = model_cls.from_pretrained(str(folder), dtype=target.dtype)
+    else:
+        model = convert(folder, dtype=target.dtype)
     return model.to(target.device).eval()
+
+
+def _load_dflash(drafter, target):
+    from .conversions.dflash import convert_dflash
+    from .modeling.dflash import DFlashConfig, DFlashDrafter
+
+    return _load_published(drafter, target, DFlashDrafter, DFlashConfig.model_type, convert_dflash)
+
+
+def _build_dflash(target, opts: dict):
+    from .proposers.dflash import DFlashProposer
+
+    if opts.get("drafter") is None:
+        raise ValueError("The 'dflash' method needs a DFlash drafter: pass drafter=<DFlashDrafter, converted folder, "
+                         "or a published repo id / folder>.")
+    return DFlashProposer(_load_dflash(opts["drafter"], target), block_size=opts.get("block_size"),
+                          adaptive=opts.get("draft_length_schedule", "adaptive") != "constant")
 
 
 def _build_eagle3(target, opts: dict):
@@ -102,6 +124,7 @@ METHODS: dict[str, Callable[[Any, dict], Any]] = {
     "prompt_lookup": _build_prompt_lookup,
     "assisted": _build_assisted,
     "eagle3": _build_eagle3,
+    "dflash": _build_dflash,
 }
 
 # generate() keyword arguments that configure a method (taken out before transformers sees them)
@@ -114,6 +137,7 @@ METHOD_KWARGS = (
     "tree_top_k",
     "tree_depth",
     "tree_total_tokens",
+    "block_size",
 )
 
 
@@ -160,12 +184,13 @@ def decoding_method(method, **defaults) -> Callable:
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
             drafter=None, num_speculative_tokens=None, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-            draft_length_schedule=None, tree_top_k=None, tree_depth=None, tree_total_tokens=None, **model_kwargs):
+            draft_length_schedule=None, tree_top_k=None, tree_depth=None, tree_total_tokens=None, block_size=None,
+            **model_kwargs):
         given = {
             "drafter": drafter, "num_speculative_tokens": num_speculative_tokens,
             "prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size,
             "draft_length_schedule": draft_length_schedule, "tree_top_k": tree_top_k, "tree_depth": tree_depth,
-            "tree_total_tokens": tree_total_tokens,
+            "tree_total_tokens": tree_total_tokens, "block_size": block_size,
         }
         opts = {**defaults, **{k: v for k, v in given.items() if v is not None}}
         proposer = fixed if fixed is not None else build_proposer(method, model, **opts)

@@ -3,6 +3,7 @@
 Importing this package registers the configs and models with transformers' Auto classes.
 """
 
+from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 
-__all__ = ["Eagle3Config", "Eagle3Drafter"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "Eagle3Config", "Eagle3Drafter"]

@@ -137,8 +137,18 @@ def _eagle3_drafter():
     return Eagle3Drafter(config).eval()
 
 
+def _dflash_drafter():
+    from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
+
+    torch.manual_seed(4)
+    config = DFlashConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=V, block_size=3, mask_token_id=V - 1,
+                          target_layer_ids=[0, 1], num_target_layers=2, initializer_range=0.5)
+    return DFlashDrafter(config).eval()
+
+
 @pytest.mark.parametrize("method", ["assisted", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
-                                    "eagle3_chain"])
+                                    "eagle3_chain", "dflash"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
@@ -152,6 +162,8 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
     elif method == "eagle3_tree":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), tree_top_k=2, tree_depth=3,
                                             tree_total_tokens=6, draft_length_schedule="constant")
+    elif method == "dflash":
+        custom = hf_specdec.decoding_method("dflash", drafter=_dflash_drafter(), draft_length_schedule="constant")
     elif method == "eagle3_chain":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
     else:

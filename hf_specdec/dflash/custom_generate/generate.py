@@ -1,0 +1,11 @@
+"""hf_specdec `dflash` speculative decoding as a transformers `custom_generate` entry point.
+
+Usage and options: README.md in the folder above this one. The decoding loop lives in the installed
+`hf_specdec` package (pip install hf_specdec); this file only binds the method name.
+"""
+
+from hf_specdec.entry import generate_with_method
+
+
+def generate(model, *args, **kwargs):
+    return generate_with_method("dflash", model, *args, **kwargs)

@@ -1,0 +1,147 @@
+"""DFlash proposer: one drafter forward fills a block of mask tokens after the last committed token.
+
+The drafter's cache holds the keys/values of the *context* only: the projected target features of committed tokens
+(one per target cache column, so its layout mirrors the target cache, holes included). Each step feeds the features
+of the columns committed since the last step as new context together with the block ``[root, mask, ..., mask]`` at
+positions ``root_position + 0..B-1``; the block's keys/values are dropped afterwards. Draft ``i`` is the prediction at
+block position ``i`` (argmax, or a sample from the drafter's distribution when the call samples). The number of drafts
+kept is chosen from the drafter's confidence and the measured verification costs (``adaptive``).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .. import cache as cache_ops
+from ..tree import DraftTree
+from .base import Proposer
+
+
+class DFlashProposer(Proposer):
+    name = "dflash"
+
+    def __init__(self, drafter, block_size: int | None = None, adaptive: bool = True):
+        size = block_size or drafter.config.block_size
+        if not 2 <= size <= drafter.config.block_size:
+            raise ValueError(f"block_size must be in 2..{drafter.config.block_size} for this drafter, got {size}.")
+        self.drafter = drafter
+        self.block_size = size
+        self.adaptive = adaptive
+        self.max_nodes = size
+        self.calibration = 1.0
+        self._predicted = None
+
+    def prepare(self, model) -> None:
+        self.drafter.bind_target(model)
+        self.layer_ids = self.drafter.feature_layer_ids(model.config)
+        self.target_hidden_states = [i + 1 for i in self.layer_ids]  # layer outputs
+
+    def begin(self, state) -> None:
+        self.device = self.drafter.fc.weight.device
+        self.dtype = self.drafter.fc.weight.dtype
+        self.cache = DynamicCache()
+        self.synced = 0
+        self.features = self._fuse(state.hidden_states)
+
+    def _fuse(self, hidden_states) -> torch.Tensor:
+        return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
+
+    def commit(self, state, tree, result) -> None:
+        if self._predicted is not None:
+            predicted, accepted = sum(self._predicted), sum(result.num_accepted)
+            if predicted > 0:
+                self.calibration = 0.9 * self.calibration + 0.1 * min(max(accepted / predicted, 0.2), 2.0)
+            self._predicted = None
+        width = max(len(p) for p in result.paths)
+        nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)
+        fused = self._fuse(state.hidden_states)
+        self.features = torch.cat([self.features, fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))],
+                                  dim=1)
+
+    def on_compact(self, state, index) -> None:
+        self.features = self.features.gather(1, index.to(self.device)[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        self.cache = DynamicCache()
+        self.synced = 0
+
+    def _masks(self, state, block_pos):
+        """One additive mask per drafter layer over [context columns ‖ block]."""
+        cfg = self.drafter.config
+        layout = state.layout
+        bsz, n = block_pos.shape
+        ctx_ok = layout.valid.to(self.device)[:, None, :].expand(bsz, n, layout.length)
+        key_pos = torch.cat([layout.positions, block_pos], dim=1).to(self.device)
+        q_pos = block_pos.to(self.device)
+        minval = torch.finfo(self.dtype).min
+        masks = []
+        for i in range(cfg.num_hidden_layers):
+            block_ok = torch.ones(n, n, dtype=torch.bool, device=self.device)
+            if cfg.layer_is_causal(i):
+                block_ok = block_ok.tril()
+            allowed = torch.cat([ctx_ok, block_ok.expand(bsz, n, n)], dim=2)
+            if cfg.layer_types[i] == "sliding_attention":
+                allowed &= (q_pos[:, :, None] - key_pos[:, None, :]).abs() < cfg.sliding_window
+            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, minval)
+            masks.append(mask[:, None])
+        return masks
+
+    def _keep(self, state, probs: torch.Tensor, budget: int) -> int:
+        """Drafts worth verifying: ``k`` maximising expected committed tokens per unit of forward cost, where draft
+        ``i`` is accepted with probability ~ the product of the drafter's top probabilities up to ``i``."""
+        if not self.adaptive:
+            return budget
+        reach = torch.cumprod(probs[:budget].clamp(max=1.0) * min(self.calibration, 1.5), 0).clamp(max=1.0)
+        expected = 1.0 + torch.cumsum(reach, 0)
+        best_k, best_rate = 0, 1.0
+        for k in range(1, budget + 1):
+            rate = float(expected[k - 1]) / state.cost_model.relative(k + 1)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def propose(self, state):
+        layout = state.layout
+        bsz, size = state.batch_size, self.block_size
+        start, end = self.synced, layout.length
+        context = self.drafter.project(self.features[:, start:end])
+        block = torch.full((bsz, size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+        block[:, 0] = state.roots().to(self.device)
+        block_pos = state.root_positions[:, None] + torch.arange(size, device=state.device)
+        hidden = self.drafter(self.drafter.embed(block), context, block_pos.to(self.device),
+                              layout.positions[:, start:end].to(self.device), self._masks(state, block_pos), self.cache)
+        self.synced = end
+        cache_ops.crop(self.cache, end)  # keep the context, drop the block
+        logits = self.drafter.draft_logits(hidden[:, 1:]).float().to(state.device)  # [B, size-1, V]
+        process = state.process_fn()
+        drafts, probs_all, kept, predicted = [], [], [], []
+        for b in range(bsz):
+            budget = min(state.max_drafts[b], size - 1)
+            row_logits = logits[b]
+            if process is not None or state.do_sample:
+                rows, prefix = [], state.prefix(b)
+                toks = []
+                for i in range(size - 1):
+                    ids = torch.cat([prefix, prefix.new_tensor(toks)])[None] if toks else prefix[None]
+                    scores = process(b, ids, row_logits[i:i + 1])[0] if process is not None else row_logits[i]
+                    p = torch.softmax(scores, dim=-1)
+                    tok = int(torch.multinomial(p, 1)) if state.do_sample else int(scores.argmax())
+                    rows.append(p)
+                    toks.append(tok)
+                row_probs = torch.stack(rows)
+                row_tokens = torch.tensor(toks, device=state.device)
+            else:
+                row_probs = None
+                row_tokens = row_logits.argmax(-1)
+            confidence = (row_probs if row_probs is not None else torch.softmax(row_logits, -1)).max(-1).values
+            k = self._keep(state, confidence, budget) if budget > 0 else 0
+            predicted.append(float(torch.cumprod(confidence[:k], 0).sum()) if k else 0.0)
+            drafts.append(row_tokens)
+            probs_all.append(row_probs)
+            kept.append(k)
+        if not any(kept):
+            self._predicted = None
+            return None
+        self._predicted = predicted
+        tokens = torch.stack(drafts)
+        draft_probs = torch.stack(probs_all) if state.do_sample else None
+        return DraftTree.chain(state.roots(), tokens, torch.tensor(kept, device=state.device), draft_probs)

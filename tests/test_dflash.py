@@ -1,0 +1,205 @@
+"""DFlash: drafter vs an independent re-implementation, z-lab layouts from a local Hub cache offline, transformers'
+native Muse-Glimmer drafter on the same weights, errors, and lossless generation."""
+
+import pytest
+import torch
+from transformers import AutoModel
+
+import hf_specdec
+from dflash_fixtures import H, random_weights, reference_block, zlab_config, zlab_files
+from hf_specdec.conversions.common import ConversionError
+from hf_specdec.conversions.dflash import convert_dflash
+from hf_specdec.hub_cache import write_cached_repo
+from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
+from tiny import prompts, tiny_model
+
+VOCAB = 96
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    return cache
+
+
+def _target():
+    return tiny_model("llama", layers=4, hidden=H)
+
+
+def _drafter(weights, layers=2, **cfg):
+    config = DFlashConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, block_size=4, mask_token_id=95,
+                          target_layer_ids=cfg.pop("target_layer_ids", [0, 2]), num_target_layers=4, **cfg)
+    drafter = DFlashDrafter(config)
+    drafter.load_state_dict(weights)
+    return drafter.eval()
+
+
+def _compare(drafter, weights, layers=2, causal=False, window=None, sliding_layers=(), base=1_000_000.0):
+    torch.manual_seed(0)
+    taps = drafter.fc.weight.shape[1] // H
+    feats = torch.randn(2, 6, taps * H)
+    noise = torch.randn(2, 4, H)
+    ctx_pos = torch.arange(6).expand(2, 6)
+    block_pos = torch.arange(6, 10).expand(2, 4)
+    with torch.no_grad():
+        ours = drafter(noise, drafter.project(feats), block_pos, ctx_pos)
+        if causal or sliding_layers:  # build the same masks the proposer builds
+            n, c = 4, 6
+            masks = []
+            for i in range(layers):
+                allowed = torch.ones(n, c + n, dtype=torch.bool)
+                if drafter.config.layer_is_causal(i):
+                    allowed[:, c:] = torch.ones(n, n, dtype=torch.bool).tril()
+                if drafter.config.layer_types[i] == "sliding_attention":
+                    kp = torch.arange(10)
+                    allowed &= (torch.arange(6, 10)[:, None] - kp[None]).abs() < drafter.config.sliding_window
+                masks.append(torch.zeros(1, 1, n, c + n).masked_fill(~allowed, torch.finfo(torch.float32).min))
+            ours = drafter(noise, drafter.project(feats), block_pos, ctx_pos, attention_mask=masks)
+    ref = reference_block({k: v.float() for k, v in weights.items()}, layers, noise, feats, ctx_pos, block_pos, base,
+                          causal=causal, window=window, sliding_layers=sliding_layers)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_forward_matches_reference_equations():
+    w = random_weights()
+    _compare(_drafter(w), w)
+    _compare(_drafter(w, causal=True), w, causal=True)
+
+
+def test_save_load_round_trip(tmp_path):
+    w = random_weights()
+    d = _drafter(w)
+    d.save_pretrained(tmp_path / "d")
+    again = AutoModel.from_pretrained(tmp_path / "d")
+    assert isinstance(again, DFlashDrafter)
+    for k, v in d.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v)
+
+
+@pytest.mark.parametrize("revision", ["old", "new"])
+def test_convert_zlab_revisions_offline(hub, tmp_path, revision):
+    if revision == "old":  # 2 layers / 2 taps, flat rope_theta
+        w, kw = random_weights(layers=2, taps=2), dict(layers=2, target_layer_ids=(0, 2), revision="old")
+    else:  # 3 layers / 4 taps, rope_parameters, sliding layers, block_size nested
+        w, kw = random_weights(layers=3, taps=4, seed=1), dict(layers=3, target_layer_ids=(0, 1, 2, 3),
+                                                              revision="new", sliding=True)
+    write_cached_repo(hub, f"z-lab/Tiny-DFlash-{revision}", zlab_files(w, **kw))
+    tpath = tmp_path / "target"
+    _target().save_pretrained(tpath)
+    drafter = convert_dflash(f"z-lab/Tiny-DFlash-{revision}", tmp_path / "out", target=str(tpath), dtype=torch.float32)
+    assert drafter.config.block_size == 4 and drafter.config.mask_token_id == 95
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "out")
+    rounded = {k: v.to(torch.bfloat16).float() for k, v in w.items()}
+    if revision == "old":
+        _compare(loaded, rounded, layers=2)
+    else:
+        assert loaded.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+        _compare(loaded, rounded, layers=3, window=3, sliding_layers=(0, 2), base=10_000_000.0)
+
+
+@pytest.mark.parametrize("problem,match", [
+    ("mask_outside", "outside the vocabulary"),
+    ("truncated", "corrupt or truncated"),
+    ("no_mask", "no mask_token_id"),
+    ("dflash2", "DFlash 2"),
+    ("wrong_shape", "shapes do not match"),
+])
+def test_conversion_errors(hub, problem, match):
+    w = random_weights()
+    kw = {}
+    if problem == "mask_outside":
+        kw["mask_token_id"] = 500
+    files = zlab_files(w, **kw)
+    if problem == "truncated":
+        files["model.safetensors"] = files["model.safetensors"][:-64]
+    elif problem == "no_mask":
+        import json
+
+        cfg = json.loads(files["config.json"])
+        del cfg["dflash_config"]["mask_token_id"]
+        files["config.json"] = json.dumps(cfg).encode()
+    elif problem == "dflash2":
+        files["config.json"] = __import__("json").dumps(zlab_config(conv_kernel_size=2)).encode()
+    elif problem == "wrong_shape":
+        w["fc.weight"] = torch.randn(H, 3 * H)
+        files = zlab_files(w)
+    write_cached_repo(hub, "z-lab/bad", files)
+    with pytest.raises(ConversionError, match=match):
+        convert_dflash("z-lab/bad")
+
+
+def test_drafter_that_does_not_fit_the_target():
+    d = _drafter(random_weights())
+    with pytest.raises(ValueError, match="target hidden size 32 vs the target's 64"):
+        d.bind_target(tiny_model("llama", layers=4, hidden=64))
+    d.config.target_layer_ids = [0, 7]
+    with pytest.raises(ValueError, match="out of range"):
+        d.bind_target(_target())
+    with pytest.raises(ValueError, match="mask_token_id 200 is outside"):
+        DFlashConfig(vocab_size=96, mask_token_id=200)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt2"])
+@pytest.mark.parametrize("bsz", [1, 3])
+def test_greedy_lossless(arch, bsz):
+    target = tiny_model(arch, layers=4, hidden=H)
+    drafter = _drafter(random_weights(scale=0.5))
+    ids, mask = prompts(bsz, 12, seed=bsz)
+    kw = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
+                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter,
+                          draft_length_schedule="constant")
+    assert torch.equal(out.sequences, ref)
+    assert out.speculative_stats["proposed_drafts"] > 0
+
+
+def test_entry_point_published_layout_and_static_cache(hub):
+    target = _target()
+    write_cached_repo(hub, "z-lab/Tiny-DFlash-b4", zlab_files(random_weights()))
+    ids, mask = prompts(2, 12)
+    kw = dict(max_new_tokens=14, do_sample=False, eos_token_id=None)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, custom_generate=hf_specdec.custom_generate_path(
+        "dflash"), trust_remote_code=True, drafter="z-lab/Tiny-DFlash-b4", cache_implementation="static")
+    assert torch.equal(out, ref)
+
+
+def test_native_muse_glimmer_on_the_same_weights():
+    """transformers' native DFlash drafter (MuseGlimmerAssistantModel) computes the same block states on the same
+    weights, and its speculation_type='dflash' path and ours both reproduce plain greedy decoding."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    w = random_weights()
+    ours = _drafter(w)
+    cfg = MuseGlimmerAssistantConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, vocab_size=VOCAB,
+                                     block_size=4, mask_token_id=95, target_layer_ids=[0, 2],
+                                     layer_types=["full_attention"] * 2, sliding_window=16,
+                                     rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
+                                     bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    native = MuseGlimmerAssistantModel(cfg).eval()
+    renamed = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
+               k.replace("hidden_norm.", "encoder.output_norm_enc.", 1) if k.startswith("hidden_norm.") else k: v
+               for k, v in w.items()}
+    missing, unexpected = native.load_state_dict(renamed, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing)
+    torch.manual_seed(0)
+    feats, noise = torch.randn(1, 6, 2 * H), torch.randn(1, 4, H)
+    with torch.no_grad():
+        theirs = native(noise_embeds=noise, context_hidden_states=feats, position_ids=torch.arange(10)[None],
+                        use_cache=False).last_hidden_state
+        mine = ours(noise, ours.project(feats), torch.arange(6, 10)[None], torch.arange(6)[None])
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+    target = _target()
+    ids, _ = prompts(1, 12)
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    native_out = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, assistant_model=native,
+                                 speculation_type="dflash")
+    ours_out = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                               custom_generate=hf_specdec.decoding_method("dflash"), drafter=ours)
+    assert torch.equal(native_out, ref) and torch.equal(ours_out, ref)
