@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=lambda a: _convert(a))
 
     p = sub.add_parser("train", help="train a drafter for a target on ShareGPT (Accelerate; resumable)")
-    p.add_argument("method", choices=["eagle3", "draft"])
+    p.add_argument("method", choices=["eagle3", "dflash", "draft"])
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
     p.add_argument("--out", required=True, help="output folder: features/, checkpoint-*/, final/")
@@ -149,7 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
     p.add_argument("--regenerate", type=int, default=0, metavar="N",
                    help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
-    p.add_argument("--layers", type=int, default=4, help="draft: decoder layers of the student")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (draft: 4, dflash: 3)")
+    p.add_argument("--block-size", type=int, default=16, help="dflash: block size")
+    p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-4)
@@ -188,8 +190,11 @@ def _train(args) -> int:
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None)
     if args.method == "eagle3":
         _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
+    elif args.method == "dflash":
+        _, metrics = training.train_dflash(model, tok, args.out, layers=args.layers or 3, block_size=args.block_size,
+                                           num_anchors=args.num_anchors, **common)
     else:
-        _, metrics = training.train_draft(model, tok, args.out, layers=args.layers, **common)
+        _, metrics = training.train_draft(model, tok, args.out, layers=args.layers or 4, **common)
     print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
 

@@ -130,3 +130,24 @@ def test_regenerated_answers_come_from_the_target(tok, conversations):
         enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
         greedy = target.generate(**enc, max_new_tokens=6, do_sample=False)
         assert tok.decode(greedy[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() == conv[1]["content"]
+
+
+def test_train_dflash_and_generate(tmp_path, tok, conversations):
+    from hf_specdec.training.dflash import sample_anchors
+
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1])
+    valid = torch.tensor([True] * 7 + [False])
+    anchors = sample_anchors(mask, valid, 10)
+    assert anchors[anchors >= 0].tolist() == [1, 2, 3, 5]  # label at p+1 must be a real, loss-masked token
+    target = tiny_model("llama", layers=4, hidden=32)
+    cfg = TrainConfig(epochs=20, batch_size=2, grad_accum=1, save_every=1000, log_every=5, lr=3e-3, warmup_ratio=0.0)
+    drafter, metrics = training.train_dflash(target, tok, tmp_path / "df", layers=1, block_size=4, samples=6,
+                                             max_length=64, config=cfg, num_anchors=4, progress=False)
+    log = [json.loads(line) for line in (tmp_path / "df" / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["loss"] < log[0]["loss"]
+    assert drafter.config.target_layer_ids == [1, 1, 0]  # the layer outputs of EAGLE-3's default features
+    ids, mask = prompts(2, 12)
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=str(tmp_path / "df" / "final"))
+    assert torch.equal(out, ref)

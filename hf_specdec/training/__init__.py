@@ -87,6 +87,51 @@ def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: in
     return final, metrics
 
 
+def train_dflash(target, tokenizer, out_dir, layers: int = 3, block_size: int = 16, mask_token_id: int | None = None,
+                 samples: int = 1500, max_length: int = 384, config: TrainConfig | None = None, features_dir=None,
+                 num_anchors: int = 16, gamma: float = 7.0, seed: int = 0, save_dtype=torch.float16,
+                 progress: bool = True, regenerate_max_new_tokens: int | None = None):
+    """Train a DFlash drafter for ``target``. The context taps are the layer outputs matching EAGLE-3's default
+    features (so both drafters share one feature cache); ``mask_token_id`` defaults to the last vocabulary row."""
+    from ..modeling.dflash import DFlashConfig, DFlashDrafter
+    from ..modeling.eagle3 import default_target_layer_ids
+    from .dflash import block_loss, layer_ids_from_features
+    from .features import FeatureShards
+
+    text = target.config.get_text_config()
+    hidden_ids = default_target_layer_ids(text.num_hidden_layers)
+    out = Path(out_dir)
+    features = Path(features_dir) if features_dir else out / "features"
+    prepare_features(target, tokenizer, features, hidden_ids, samples, max_length, seed, progress,
+                     regenerate_max_new_tokens)
+    shards = FeatureShards(features)
+    rope = getattr(text, "rope_parameters", None) or {}
+    cfg = DFlashConfig(
+        hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=layers,
+        num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None), rms_norm_eps=text.rms_norm_eps, hidden_act=text.hidden_act,
+        vocab_size=text.vocab_size, block_size=block_size,
+        mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=layer_ids_from_features(hidden_ids), num_target_layers=text.num_hidden_layers,
+        target_hidden_size=text.hidden_size, rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
+        target_model=getattr(target.config, "_name_or_path", None) or None,
+    )
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    drafter.config.check_target(target.config)
+    embed = target.get_input_embeddings().weight.detach()
+    head = target.get_output_embeddings().weight.detach()
+    generator = torch.Generator().manual_seed(seed)
+    drafter.train()
+
+    def save(model, folder):
+        model.save_pretrained(folder, state_dict={k: v.to(save_dtype) for k, v in model.state_dict().items()})
+
+    metrics = train(drafter, lambda m, b: block_loss(m, embed, head, b, num_anchors, gamma, generator), shards, out,
+                    config or TrainConfig(), save_model=save, progress=progress)
+    return DFlashDrafter.from_pretrained(out / "final"), metrics
+
+
 def distillation_loss(student, target_head: torch.Tensor, batch: dict, temperature: float = 1.0):
     """KL(target || student) of the next-token distributions on loss-masked positions (teacher forcing)."""
     ids = batch["input_ids"].long()
