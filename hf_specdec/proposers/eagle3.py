@@ -25,9 +25,11 @@ from .base import Proposer
 
 class Eagle3Proposer(Proposer):
     """Args:
-        drafter: an ``Eagle3Drafter`` (bound to the target in ``begin``).
+        drafter: an ``Eagle3Drafter`` (bound to the target in ``prepare``).
         top_k, depth, total_tokens: the dynamic tree (reference defaults 10 / 7 / 60).
         num_speculative_tokens: draft a chain of this length instead of a tree.
+        adaptive: verify only as many of the best ``total_tokens - 1`` nodes as pay for their cost (the loop's
+            measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
     """
 
     name = "eagle3"
