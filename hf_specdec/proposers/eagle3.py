@@ -201,6 +201,8 @@ class Eagle3Proposer(Proposer):
         rows_pos = torch.zeros(bsz, 0, dtype=torch.long, device=state.device)
         n_cand = top_k
         for d in range(1, max_depth):
+            if self.adaptive and float(frontier_score.max().exp()) * self.calibration < 0.02:
+                break  # no deeper node could add 2 % to the expected acceptance: save the drafter forwards
             # feed the frontier: row (parent output, node token) at the position of the node's parent
             pos = (state.root_positions + d - 1)[:, None].expand(-1, top_k)
             tokens = self.drafter.draft_to_target(frontier_tok)
