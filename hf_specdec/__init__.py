@@ -11,6 +11,7 @@ See README.md for every entry point.
 __version__ = "0.1.0"
 
 from .engine import SpeculativeDecoderOnlyOutput, SpeculativeStats, speculative_decode
+from .draft_models import load_draft_model, save_draft_model
 from .entry import available_methods, build_proposer, custom_generate_path, decoding_method, generate_with_method
 from .tree import DraftTree
 
@@ -23,5 +24,7 @@ __all__ = [
     "custom_generate_path",
     "decoding_method",
     "generate_with_method",
+    "load_draft_model",
+    "save_draft_model",
     "speculative_decode",
 ]

@@ -33,10 +33,9 @@ def _load_drafter(drafter, target):
     if drafter is None or isinstance(drafter, torch.nn.Module):
         return drafter
     if isinstance(drafter, (str, os.PathLike)):
-        from transformers import AutoModelForCausalLM
+        from .draft_models import load_draft_model
 
-        model = AutoModelForCausalLM.from_pretrained(str(drafter), dtype=target.dtype)
-        return model.to(target.device).eval()
+        return load_draft_model(drafter, target)
     raise TypeError(f"drafter must be a model or a path / Hub repo id, got {type(drafter).__name__}.")
 
 

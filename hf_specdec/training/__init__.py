@@ -156,6 +156,7 @@ def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500
     target layers, the target's embeddings and head, frozen) for the ``assisted`` method."""
     import copy
 
+    from ..draft_models import load_draft_model, save_draft_model
     from ..modeling.eagle3 import default_target_layer_ids
     from .features import FeatureShards
 
@@ -192,11 +193,9 @@ def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500
     head = target.get_output_embeddings().weight.detach()
     student.train()
 
-    def save(model, folder):
-        model.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
-                                                  for k, v in model.state_dict().items()})
-        tokenizer.save_pretrained(folder)
+    def save(model, folder):  # the target's embeddings/head are not stored (load with load_draft_model)
+        save_draft_model(model, folder, save_dtype, tokenizer)
 
     metrics = train(student, lambda m, b: distillation_loss(m, head, b), shards, out, config or TrainConfig(),
                     save_model=save, progress=progress)
-    return type(target).from_pretrained(out / "final"), metrics
+    return load_draft_model(out / "final", target), metrics

@@ -1,0 +1,81 @@
+"""Draft models that share the target's embeddings and head: saved without them, rebuilt from the target."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import hf_specdec
+from hf_specdec import load_draft_model, save_draft_model
+from tiny import prompts, tiny_model
+
+
+def _student(target_arch="llama", tie=True, seed=1):
+    target = tiny_model(target_arch, layers=3, tie_word_embeddings=tie)
+    student = tiny_model(target_arch, layers=1, seed=seed, tie_word_embeddings=tie)
+    with torch.no_grad():
+        student.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+        student.get_output_embeddings().weight.copy_(target.get_output_embeddings().weight)
+    return target, student
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_round_trip_rebuilds_the_embeddings_from_the_target(tmp_path, tie):
+    target, student = _student(tie=tie)
+    save_draft_model(student, tmp_path / "s", dtype=torch.float32)
+    stored = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert not any("embed_tokens" in k or "lm_head" in k for k in stored)
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["hf_specdec_shares_target_embeddings"]
+    loaded = load_draft_model(tmp_path / "s", target)
+    ids, _ = prompts(2, 9)
+    torch.testing.assert_close(loaded(ids).logits, student(ids).logits)
+    ref = target.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None)
+    out = target.generate(ids[:1], max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          custom_generate=hf_specdec.decoding_method("assisted"), drafter=str(tmp_path / "s"))
+    assert torch.equal(out, ref)
+
+
+def test_half_precision_weights_are_small_and_cast_to_the_target_dtype(tmp_path):
+    target, student = _student()
+    save_draft_model(student, tmp_path / "s")
+    assert all(v.dtype == torch.float16 for v in load_file(str(tmp_path / "s" / "model.safetensors")).values())
+    assert load_draft_model(tmp_path / "s", target).dtype == torch.float32
+
+
+def test_plain_folders_load_with_from_pretrained(tmp_path):
+    target, student = _student()
+    student.save_pretrained(tmp_path / "plain")
+    loaded = load_draft_model(tmp_path / "plain", target)
+    ids, _ = prompts(1, 6)
+    torch.testing.assert_close(loaded(ids).logits, student(ids).logits)
+
+
+def test_a_student_of_another_target_is_refused(tmp_path):
+    _, student = _student()
+    save_draft_model(student, tmp_path / "s")
+    other = tiny_model("llama", layers=2, hidden=48)
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_draft_model(tmp_path / "s", other)
+    bigger = tiny_model("llama", layers=2, vocab=160)
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_draft_model(tmp_path / "s", bigger)
+
+
+def test_truncated_or_mismatched_weights_are_refused(tmp_path):
+    target, student = _student()
+    save_draft_model(student, tmp_path / "s")
+    weights = tmp_path / "s" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        load_draft_model(tmp_path / "s", target)
+    save_draft_model(tiny_model("llama", layers=2), tmp_path / "two")
+    cfg = json.loads((tmp_path / "two" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 1
+    (tmp_path / "two" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unexpected"):
+        load_draft_model(tmp_path / "two", target)
+    (tmp_path / "s" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError):
+        load_draft_model(tmp_path / "s", target)
