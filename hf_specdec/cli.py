@@ -39,15 +39,20 @@ def _bench(args) -> int:
     from .bench import build_methods, markdown, run_bench
 
     model, tok = _load_model(args.target, args.dtype, args.device)
-    drafter = None
+    drafter = eagle3 = dflash = None
     if args.drafter:
-        drafter, _ = _load_model(args.drafter, args.dtype, str(model.device) if args.device == "auto" else args.device)
-    eagle3 = None
+        from .draft_models import load_draft_model
+
+        drafter = load_draft_model(args.drafter, model)
     if args.eagle3:
         from .entry import _load_eagle3
 
         eagle3 = _load_eagle3(args.eagle3, model)
-    methods = build_methods([m for m in args.methods.split(",") if m], drafter, eagle3)
+    if args.dflash:
+        from .entry import _load_dflash
+
+        dflash = _load_dflash(args.dflash, model)
+    methods = build_methods([m for m in args.methods.split(",") if m], drafter, eagle3, dflash)
     result = run_bench(model, tok, methods, [d for d in args.datasets.split(",") if d], args.limit,
                        args.max_new_tokens, batch_size=args.batch_size, drafter=drafter, out=args.out,
                        memory_check=args.memory_check, config=vars(args) | {"func": None}, seed=args.seed)
@@ -102,9 +107,11 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="draft model for 'assisted' / 'hf_assisted'")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 drafter (converted or published) for 'eagle3' methods")
+    p.add_argument("--dflash", default=None, help="DFlash drafter (converted or published) for 'dflash' methods")
     p.add_argument("--methods", default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
                    help="comma-separated: prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, "
-                        "eagle3[:TOPK-DEPTH-TOTAL], eagle3_chain:K (plain generate() always runs as the baseline)")
+                        "eagle3[:TOPK-DEPTH-TOTAL], eagle3_chain:K, dflash[:B], dflash_fixed[:B] (plain generate() always "
+                        "runs as the baseline)")
     p.add_argument("--datasets", default="mtbench,humaneval,gsm8k,copy")
     p.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     p.add_argument("--max-new-tokens", type=int, default=128)

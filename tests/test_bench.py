@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from hf_specdec.bench import build_methods, markdown, run_bench
 from hf_specdec.bench.data import DATASETS, load
@@ -61,6 +62,25 @@ def test_bench_eagle3_methods():
     assert all(r["mismatches"] == 0 for r in result["summary"])
     with pytest.raises(ValueError, match="--eagle3"):
         build_methods(["eagle3"])
+
+
+def test_bench_dflash_methods():
+    from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
+
+    model = tiny_model("llama", layers=4)
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:30] }}{% endfor %}"
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=96,
+                                         block_size=4, mask_token_id=95, target_layer_ids=[0, 2],
+                                         num_target_layers=4)).eval()
+    methods = build_methods(["dflash", "dflash_fixed:3"], dflash=drafter)
+    result = run_bench(model, tok, methods, ["gsm8k"], limit=2, max_new_tokens=6, progress=False)
+    assert {r["method"] for r in result["summary"]} == {"plain", "dflash", "dflash_fixed:3"}
+    assert all(r["mismatches"] == 0 for r in result["summary"])
+    with pytest.raises(ValueError, match="--dflash"):
+        build_methods(["dflash"])
 
 
 def test_bench_batched(tmp_path):

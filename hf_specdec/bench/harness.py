@@ -132,10 +132,11 @@ class Method:
     hf_specdec: bool = False  # returns speculative_stats
 
 
-def build_methods(names: list[str], drafter=None, eagle3=None) -> list[Method]:
+def build_methods(names: list[str], drafter=None, eagle3=None, dflash=None) -> list[Method]:
     """Method names: plain, prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, eagle3[:TOPK-DEPTH-
-    TOTAL] (dynamic tree), eagle3_chain:K. ``drafter`` is the draft model of the assisted methods, ``eagle3`` an
-    EAGLE-3 drafter."""
+    TOTAL] (dynamic tree), eagle3_chain:K, dflash[:B] (B = drafted block size; adaptive draft length when omitted),
+    dflash_fixed[:B] (always the whole block). ``drafter`` is the draft model of the assisted methods, ``eagle3`` an
+    EAGLE-3 drafter, ``dflash`` a DFlash drafter."""
     methods = []
     for name in names:
         base, _, arg = name.partition(":")
@@ -166,6 +167,14 @@ def build_methods(names: list[str], drafter=None, eagle3=None) -> list[Method]:
                 opts = {key: v for key, v in (("tree_top_k", k), ("tree_depth", d), ("tree_total_tokens", t))
                         if v is not None}
             methods.append(Method(name, {"custom_generate": decoding_method("eagle3", drafter=eagle3, **opts)},
+                                  hf_specdec=True))
+        elif base in ("dflash", "dflash_fixed"):
+            if dflash is None:
+                raise ValueError(f"method {base!r} needs --dflash <drafter>")
+            opts = {"block_size": int(arg)} if arg else {}
+            if base == "dflash_fixed":
+                opts["draft_length_schedule"] = "constant"
+            methods.append(Method(name, {"custom_generate": decoding_method("dflash", drafter=dflash, **opts)},
                                   hf_specdec=True))
         else:
             raise ValueError(f"Unknown benchmark method {name!r}")
