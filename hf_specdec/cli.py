@@ -9,7 +9,8 @@ import sys
 def _demo(args) -> int:
     from .demo import run_demo
 
-    summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=args.methods, repeats=args.repeats)
+    summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=args.methods, repeats=args.repeats,
+                             eagle3=args.eagle3, dflash=args.dflash, drafter=args.drafter)
     return 0 if all(r["same"] for r in rows) else 1
 
 
@@ -101,6 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--methods", nargs="*", default=None, help="methods to run (default: every available one)")
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--eagle3", default=None, help="a trained EAGLE-3 drafter folder (default: the shipped one, if any)")
+    p.add_argument("--dflash", default=None, help="a trained DFlash drafter folder (default: the shipped one, if any)")
+    p.add_argument("--drafter", default=None, help="a draft model for 'assisted' (default: the shipped student)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmark methods against plain generate() and transformers' own modes")

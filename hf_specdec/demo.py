@@ -52,29 +52,36 @@ def shipped_drafter(name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def available_demo_methods(model) -> dict[str, dict]:
-    """Prompt lookup, plus every method whose SmolLM2 drafter ships with the package."""
+def available_demo_methods(model, eagle3=None, dflash=None, drafter=None) -> dict[str, dict]:
+    """Prompt lookup, plus every method whose SmolLM2 drafter is given (a trained folder, e.g. ``runs/eagle3/final``)
+    or ships with the package (EAGLE-3, DFlash, the distilled student for ``assisted``)."""
     methods = {"prompt_lookup": {}}
-    eagle = shipped_drafter("smollm2-135m-instruct-eagle3")
+    eagle = eagle3 or shipped_drafter("smollm2-135m-instruct-eagle3")
     if eagle is not None:
         from .entry import _load_eagle3
 
         methods["eagle3"] = {"drafter": _load_eagle3(str(eagle), model)}
-    student = shipped_drafter("smollm2-135m-instruct-student")
-    if student is not None:
-        from .entry import _load_drafter
+    dflash = dflash or shipped_drafter("smollm2-135m-instruct-dflash")
+    if dflash is not None:
+        from .entry import _load_dflash
 
-        methods["assisted"] = {"drafter": _load_drafter(str(student), model)}
+        methods["dflash"] = {"drafter": _load_dflash(str(dflash), model)}
+    student = drafter or shipped_drafter("smollm2-135m-instruct-student")
+    if student is not None:
+        from .draft_models import load_draft_model
+
+        methods["assisted"] = {"drafter": load_draft_model(student, model)}
     return methods
 
 
-def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 1, verbose: bool = True):
+def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 1, verbose: bool = True,
+             eagle3=None, dflash=None, drafter=None):
     """Run plain greedy and every available method on the demo prompts; return the per-method summary."""
     from .default_model import load_smollm2
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(verbose=verbose)
-    candidates = available_demo_methods(model)
+    candidates = available_demo_methods(model, eagle3=eagle3, dflash=dflash, drafter=drafter)
     chosen = {m: candidates[m] for m in (methods or candidates)}
     prompts = demo_prompts()
     encoded = [_encode(tokenizer, p) for _, p in prompts]

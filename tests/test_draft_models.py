@@ -79,3 +79,26 @@ def test_truncated_or_mismatched_weights_are_refused(tmp_path):
     (tmp_path / "s" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError):
         load_draft_model(tmp_path / "s", target)
+
+
+def test_demo_takes_trained_drafter_folders(tmp_path):
+    from hf_specdec.demo import available_demo_methods
+    from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
+    from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+
+    target, student = _student()
+    save_draft_model(student, tmp_path / "student")
+    Eagle3Drafter(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=96, num_target_layers=3)).save_pretrained(tmp_path / "eagle3")
+    DFlashDrafter(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=8, vocab_size=96, block_size=4, mask_token_id=95,
+                               target_layer_ids=[0, 1], num_target_layers=3)).save_pretrained(tmp_path / "dflash")
+    methods = available_demo_methods(target, eagle3=str(tmp_path / "eagle3"), dflash=str(tmp_path / "dflash"),
+                                     drafter=tmp_path / "student")
+    assert set(methods) == {"prompt_lookup", "eagle3", "dflash", "assisted"}
+    ids, _ = prompts(1, 8)
+    ref = target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    for name, opts in methods.items():
+        out = target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                              custom_generate=hf_specdec.decoding_method(name, **opts))
+        assert torch.equal(out, ref), name
