@@ -203,3 +203,27 @@ def test_native_muse_glimmer_on_the_same_weights():
     ours_out = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None,
                                custom_generate=hf_specdec.decoding_method("dflash"), drafter=ours)
     assert torch.equal(native_out, ref) and torch.equal(ours_out, ref)
+
+
+@pytest.mark.parametrize("bsz", [1, 2])
+def test_adaptive_backs_off_from_a_drafter_that_does_not_pay(bsz, monkeypatch):
+    """A drafter whose drafts are never worth verifying is run less and less often; output stays identical."""
+    from hf_specdec.costs import ForwardCostModel
+
+    # fixed forward costs (a CPU-like curve): on a tiny model a forward over k tokens costs about the same as over 1
+    monkeypatch.setattr(ForwardCostModel, "record", lambda self, q, s: None)
+    monkeypatch.setattr(ForwardCostModel, "calibration_sizes", lambda self, n: [])
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _drafter(random_weights(scale=0.5))
+    with torch.no_grad():
+        drafter.norm.weight.zero_()  # flat draft distributions: nothing is ever worth verifying
+    calls = []
+    drafter.register_forward_hook(lambda *a: calls.append(1))
+    ids, mask = prompts(bsz, 12, seed=bsz)
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
+                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
+    assert torch.equal(out.sequences, ref)
+    assert out.speculative_stats["proposed_drafts"] == 0
+    assert 0 < len(calls) <= 6  # 40 steps: probes after 1, 2, 4, 8, 16 skipped steps

@@ -20,7 +20,8 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
   ceiling, identical, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated memory on
   CUDA), ``peak_abs_mb`` (absolute peak) and ``stats`` (hf_specdec's ``speculative_stats``, when available)
 * ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
-  efficiency, draft_share, loop_overhead, peak_mem_mb, peak_abs_mb, mismatches``
+  efficiency, draft_share, loop_overhead (time outside the target's forwards and the drafting per target forward,
+  relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches``
 * ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
 """
 
@@ -391,8 +392,9 @@ def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
             if not draft:
                 draft = [r["drafter_forward_seconds"] / r["seconds"] for r in mine if r["drafter_forward_seconds"]]
             overhead = [
-                (r["seconds"] - r["target_forward_seconds"] - r["drafter_forward_seconds"]) / max(r["target_forwards"], 1)
-                / t1 for r in mine if r["target_forward_seconds"]
+                (r["seconds"] - r["target_forward_seconds"]
+                 - max(r["drafter_forward_seconds"], (r.get("stats") or {}).get("draft_seconds", 0.0)))
+                / max(r["target_forwards"], 1) / t1 for r in mine if r["target_forward_seconds"]
             ]
             rows.append(dict(
                 method=m, dataset=ds, prompts=len(pairs),
