@@ -297,3 +297,47 @@ def test_eagle3_pipeline_and_push_to_hub(tmp_path, monkeypatch):
     drafter.push_to_hub("me/tiny-eagle3")
     assert uploaded["repo"] == "me/tiny-eagle3"
     assert {"config.json", "model.safetensors"} <= set(uploaded["files"])
+
+
+def test_adaptive_tree_backs_off_when_drafting_cannot_pay(monkeypatch):
+    """A drafter whose trees cannot pay for the drafting is run less and less often; outputs stay identical."""
+    from hf_specdec.costs import ForwardCostModel
+
+    monkeypatch.setattr(ForwardCostModel, "record", lambda self, q, s: None)
+    monkeypatch.setattr(ForwardCostModel, "calibration_sizes", lambda self, n: [])
+    monkeypatch.setattr(ForwardCostModel, "step_seconds", lambda self: 1e-6)  # drafting looks very expensive
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle_drafter(target, draft_vocab=VOCAB)
+    calls = []
+    drafter.register_forward_hook(lambda *a: calls.append(1))
+    for bsz in (1, 2):
+        calls.clear()
+        ids, mask = prompts(bsz, 12, seed=bsz)
+        kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+        ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+        out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
+                              custom_generate=hf_specdec.decoding_method("eagle3"), drafter=drafter,
+                              tree_top_k=3, tree_depth=3, tree_total_tokens=8)
+        assert torch.equal(out.sequences, ref)
+        assert out.speculative_stats["target_forward_passes"] >= 30 and len(calls) <= 6 * 3  # 6 proposals at most
+
+
+def test_adaptive_tree_drafts_every_step_when_drafting_is_free(monkeypatch):
+    from hf_specdec.costs import ForwardCostModel
+
+    monkeypatch.setattr(ForwardCostModel, "record", lambda self, q, s: None)
+    monkeypatch.setattr(ForwardCostModel, "calibration_sizes", lambda self, n: [])
+    monkeypatch.setattr(ForwardCostModel, "step_seconds", lambda self: 1e6)
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle_drafter(target, draft_vocab=VOCAB)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(3.0)  # confident drafts
+    ids, _ = prompts(1, 12)
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    ref = target.generate(ids, **kw)
+    out = target.generate(ids, **kw, return_dict_in_generate=True, drafter=drafter,
+                          custom_generate=hf_specdec.decoding_method("eagle3"), tree_top_k=3, tree_depth=3,
+                          tree_total_tokens=8)
+    assert torch.equal(out.sequences, ref)
+    stats = out.speculative_stats
+    assert stats["proposed_drafts"] >= stats["target_forward_passes"] - 2

@@ -15,6 +15,8 @@ argmax, or samples from the drafter's distribution when the call samples (exact 
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -30,9 +32,13 @@ class Eagle3Proposer(Proposer):
         num_speculative_tokens: draft a chain of this length instead of a tree.
         adaptive: verify only as many of the best ``total_tokens - 1`` nodes as pay for their cost (the loop's
             measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
+            When even the best tree cannot pay for the drafting itself (measured time of a proposal, in units of a
+            one-token target step), the tree is not drafted for the next 1, 2, 4 .. ``MAX_BACKOFF`` steps; the
+            drafter catches up on the skipped context at the next proposal.
     """
 
     name = "eagle3"
+    MAX_BACKOFF = 16
 
     def __init__(self, drafter, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
                  num_speculative_tokens: int | None = None, adaptive: bool = True):
@@ -61,6 +67,9 @@ class Eagle3Proposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns whose drafter rows are in the drafter cache
         self.features = self._fuse(state.hidden_states)  # [B, T, 3H]: one fused feature per layout column
+        self.skip, self.backoff = 0, 0
+        self.draft_cost = 0.0  # a proposal's time in units of a one-token target step (running)
+        self._worth = None
 
     def _fuse(self, hidden_states) -> torch.Tensor:
         if hidden_states is None:
@@ -124,16 +133,42 @@ class Eagle3Proposer(Proposer):
         return root_logits, root_hidden
 
     def propose(self, state):
+        backs_off = self.adaptive and not self.chain
+        if backs_off and self.skip > 0:
+            self.skip -= 1
+            return None
+        start = time.perf_counter()
         if self.synced > state.layout.length:  # cannot happen unless the layout was rebuilt
             self.cache, self.synced = DynamicCache(), 0
+        fed = state.layout.length - self.synced
         root_logits, root_hidden = self._feed_context(state)
         context = self.synced
+        if fed > 8:  # the prompt, or a backlog after skipped steps: not a typical step's drafting cost
+            start = time.perf_counter()
+        self._worth = None
         try:
             if self.chain:
                 return self._chain(state, root_logits, root_hidden)
             return self._tree(state, root_logits, root_hidden)
         finally:
             cache_ops.crop(self.cache, context)  # tree rows are drafter guesses: never kept
+            if backs_off:
+                self._schedule(state, time.perf_counter() - start)
+
+    def _schedule(self, state, seconds: float) -> None:
+        """Back off when the best tree's expected tokens per unit of cost (verify + drafting) is below plain
+        decoding's 1 token per step; draft normally again as soon as a proposal pays."""
+        step = state.cost_model.step_seconds() if state.cost_model is not None else None
+        if step:
+            self.draft_cost = 0.8 * self.draft_cost + 0.2 * (seconds / step) if self.draft_cost else seconds / step
+        if self._worth is None or not self.draft_cost:
+            return
+        expected, verify = self._worth
+        if expected / (verify + self.draft_cost) < 1.0:
+            self.backoff = min(max(1, 2 * self.backoff), self.MAX_BACKOFF)
+            self.skip = self.backoff
+        else:
+            self.backoff = 0
 
     def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos):
         """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.
@@ -261,6 +296,10 @@ class Eagle3Proposer(Proposer):
             n = self._tree_size(state, probs)
             order, probs = order[:n], probs[:n]
             self._predicted.append(float(probs.sum()))
+            if state.cost_model is not None:
+                row = (1.0 + float(probs.sum()) * self.calibration, state.cost_model.relative(n + 1))
+                if self._worth is None or row[0] / row[1] > self._worth[0] / self._worth[1]:
+                    self._worth = row
             chosen = set(order.tolist())
             par = parent[b].tolist()
             for c in list(chosen):  # ties can leave a parent out: add ancestors back
