@@ -21,6 +21,8 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from .common import target_fit_problems
+
 
 def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """z-lab's default taps: evenly from layer 1 to layer N - 3 (layer output ids), one per draft layer."""
@@ -109,19 +111,8 @@ class DFlashConfig(PretrainedConfig):
         return self.causal or (self.causal_sliding and self.layer_types[i] == "sliding_attention")
 
     def check_target(self, target_config) -> None:
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        problems = []
-        if text.vocab_size != self.vocab_size:
-            problems.append(f"vocabulary {self.vocab_size} vs the target's {text.vocab_size}")
-        if text.hidden_size != self.target_hidden_size:
-            problems.append(f"target hidden size {self.target_hidden_size} vs the target's {text.hidden_size}")
-        n = text.num_hidden_layers
-        if self.num_target_layers is not None and self.num_target_layers != n:
-            problems.append(f"{self.num_target_layers} target layers vs the target's {n}")
-        ids = self.layer_ids_for(n)
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            problems.append(f"target_layer_ids {ids} out of range for a {n}-layer target (0..{n - 1})")
+        """Raise a clear error when this drafter was made for another target."""
+        problems = target_fit_problems(self, target_config, "target_layer_ids", self.layer_ids_for)
         if problems:
             raise ValueError("This DFlash drafter does not fit the target model: " + "; ".join(problems) + ".")
 

@@ -26,6 +26,8 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from .common import target_fit_problems
+
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
     """HF ``hidden_states`` indices of the inputs of layers 2, N // 2 and N - 3 (the reference's choice)."""
@@ -116,19 +118,8 @@ class Eagle3Config(PretrainedConfig):
 
     def check_target(self, target_config) -> None:
         """Raise a clear error when this drafter was made for another target."""
-        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        problems = []
-        if text.vocab_size != self.vocab_size:
-            problems.append(f"vocabulary {self.vocab_size} vs the target's {text.vocab_size}")
-        if text.hidden_size != self.target_hidden_size:
-            problems.append(f"target hidden size {self.target_hidden_size} vs the target's {text.hidden_size}")
-        n = text.num_hidden_layers
-        if self.num_target_layers is not None and self.num_target_layers != n:
-            problems.append(f"{self.num_target_layers} target layers vs the target's {n}")
-        ids = self.layer_ids_for(n)
-        bad = [i for i in ids if not 0 <= i <= n]
-        if bad:
-            problems.append(f"feature layer ids {ids} out of range for a {n}-layer target (0..{n})")
+        problems = target_fit_problems(self, target_config, "feature layer ids", self.layer_ids_for,
+                                       hidden_state_ids=True)
         if problems:
             raise ValueError("This EAGLE-3 drafter does not fit the target model: " + "; ".join(problems) + ".")
 

@@ -10,6 +10,12 @@ from hf_specdec.bench.data import DATASETS, load
 from tiny import tiny_model, word_tokenizer
 
 
+def _chat_tokenizer(width: int = 30):
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:" + str(width) + "] }}{% endfor %}"
+    return tok
+
+
 def test_datasets_load_offline():
     for ds in DATASETS:
         prompts = load(ds, limit=3)
@@ -28,8 +34,7 @@ def test_unknown_method_or_missing_drafter():
 
 def test_bench_end_to_end(tmp_path):
     model = tiny_model("llama", vocab=96)
-    tok = word_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'][:40] }}{% endfor %}"
+    tok = _chat_tokenizer(40)
     drafter = tiny_model("llama", seed=4)
     methods = build_methods(["prompt_lookup", "hf_prompt_lookup:3", "oracle:2", "assisted", "hf_assisted"], drafter)
     result = run_bench(model, tok, methods, ["gsm8k", "copy"], limit=2, max_new_tokens=8, batch_size=1,
@@ -52,8 +57,7 @@ def test_bench_eagle3_methods():
     from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
 
     model = tiny_model("llama", layers=4)
-    tok = word_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'][:30] }}{% endfor %}"
+    tok = _chat_tokenizer()
     drafter = Eagle3Drafter(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                          num_key_value_heads=2, vocab_size=96, num_target_layers=4)).eval()
     methods = build_methods(["eagle3:3-2-6", "eagle3_chain:2"], eagle3=drafter)
@@ -68,8 +72,7 @@ def test_bench_dflash_methods():
     from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
 
     model = tiny_model("llama", layers=4)
-    tok = word_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'][:30] }}{% endfor %}"
+    tok = _chat_tokenizer()
     torch.manual_seed(0)
     drafter = DFlashDrafter(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=96,
@@ -85,8 +88,7 @@ def test_bench_dflash_methods():
 
 def test_bench_batched(tmp_path):
     model = tiny_model("qwen2")
-    tok = word_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'][:30] }}{% endfor %}"
+    tok = _chat_tokenizer()
     methods = build_methods(["prompt_lookup", "oracle:3"])
     result = run_bench(model, tok, methods, ["mtbench"], limit=4, max_new_tokens=6, batch_size=2, progress=False)
     assert all(r["mismatches"] == 0 for r in result["summary"])

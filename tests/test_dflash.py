@@ -16,15 +16,6 @@ from tiny import prompts, tiny_model
 VOCAB = 96
 
 
-@pytest.fixture()
-def hub(tmp_path, monkeypatch):
-    cache = tmp_path / "hub"
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    return cache
-
-
 def _target():
     return tiny_model("llama", layers=4, hidden=H)
 

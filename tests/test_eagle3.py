@@ -28,16 +28,6 @@ def target():
     return tiny_model("llama", layers=4, hidden=H)
 
 
-@pytest.fixture()
-def hub(tmp_path, monkeypatch):
-    """A private Hub cache, offline."""
-    cache = tmp_path / "hub"
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    return cache
-
-
 def _compare_with_reference(drafter, weights, norm_before_residual=False, target_hidden=H):
     torch.manual_seed(0)
     ids = torch.randint(0, VOCAB, (2, 7))

@@ -10,6 +10,25 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import AcceptResult
 
 
+class BackOff:
+    """Exponential back-off for a drafter that does not pay: after a proposal that was not worth it, skip the next
+    1, 2, 4 .. ``limit`` proposals; one that pays resets it."""
+
+    def __init__(self, limit: int = 16):
+        self.limit, self.skip, self.length = limit, 0, 0
+
+    def skipping(self) -> bool:
+        """Whether this step's proposal is skipped (counts the step down)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return True
+        return False
+
+    def update(self, paid: bool) -> None:
+        self.length = 0 if paid else min(max(1, 2 * self.length), self.limit)
+        self.skip = self.length
+
+
 class Proposer:
     """Drafts tokens for the decoding loop (:func:`hf_specdec.engine.speculative_decode`).
 

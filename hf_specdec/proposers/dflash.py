@@ -6,7 +6,7 @@ of the columns committed since the last step as new context together with the bl
 positions ``root_position + 0..B-1``; the block's keys/values are dropped afterwards. Draft ``i`` is the prediction at
 block position ``i`` (argmax, or a sample from the drafter's distribution when the call samples). The number of drafts
 kept is chosen from the drafter's confidence and the measured verification costs (``adaptive``). When the adaptive rule
-keeps nothing, the drafter is not run again for 1, 2, 4, ... (at most ``MAX_BACKOFF``) steps — a drafter that cannot
+keeps nothing, the drafter is not run again for 1, 2, 4, ... (at most 16) steps — a drafter that cannot
 pay for itself then costs almost nothing — and the skipped context is fed at the next probe.
 """
 
@@ -17,12 +17,11 @@ from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from ..tree import DraftTree
-from .base import Proposer
+from .base import BackOff, Proposer
 
 
 class DFlashProposer(Proposer):
     name = "dflash"
-    MAX_BACKOFF = 16
 
     def __init__(self, drafter, block_size: int | None = None, adaptive: bool = True):
         size = block_size or drafter.config.block_size
@@ -46,9 +45,7 @@ class DFlashProposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0
         self.features = self._fuse(state.hidden_states)
-        self.skip = 0  # steps left without a drafter forward
-        self.backoff = 0
-        self.drafter_calls = 0
+        self.backoff = BackOff()
 
     def _fuse(self, hidden_states) -> torch.Tensor:
         return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
@@ -106,12 +103,10 @@ class DFlashProposer(Proposer):
         return best_k
 
     def propose(self, state):
-        if self.skip > 0:
-            self.skip -= 1
+        if self.backoff.skipping():
             return None
         layout = state.layout
         bsz, size = state.batch_size, self.block_size
-        self.drafter_calls += 1
         start, end = self.synced, layout.length
         context = self.drafter.project(self.features[:, start:end])
         block = torch.full((bsz, size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
@@ -151,10 +146,9 @@ class DFlashProposer(Proposer):
         if not any(kept):
             self._predicted = None
             if self.adaptive and all(state.max_drafts[b] > 0 for b in range(bsz)):
-                self.backoff = min(max(1, 2 * self.backoff), self.MAX_BACKOFF)
-                self.skip = self.backoff
+                self.backoff.update(paid=False)
             return None
-        self.backoff = 0
+        self.backoff.update(paid=True)
         self._predicted = predicted
         tokens = torch.stack(drafts)
         draft_probs = torch.stack(probs_all) if state.do_sample else None

@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from ..tree import DraftTree, build_attention_mask
-from .base import Proposer
+from .base import BackOff, Proposer
 
 
 class Eagle3Proposer(Proposer):
@@ -33,12 +33,11 @@ class Eagle3Proposer(Proposer):
         adaptive: verify only as many of the best ``total_tokens - 1`` nodes as pay for their cost (the loop's
             measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
             When even the best tree cannot pay for the drafting itself (measured time of a proposal, in units of a
-            one-token target step), the tree is not drafted for the next 1, 2, 4 .. ``MAX_BACKOFF`` steps; the
+            one-token target step), the tree is not drafted for the next 1, 2, 4 .. 16 steps; the
             drafter catches up on the skipped context at the next proposal.
     """
 
     name = "eagle3"
-    MAX_BACKOFF = 16
 
     def __init__(self, drafter, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
                  num_speculative_tokens: int | None = None, adaptive: bool = True):
@@ -67,7 +66,7 @@ class Eagle3Proposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns whose drafter rows are in the drafter cache
         self.features = self._fuse(state.hidden_states)  # [B, T, 3H]: one fused feature per layout column
-        self.skip, self.backoff = 0, 0
+        self.backoff = BackOff()
         self.draft_cost = 0.0  # a proposal's time in units of a one-token target step (running)
         self._worth = None
 
@@ -134,8 +133,7 @@ class Eagle3Proposer(Proposer):
 
     def propose(self, state):
         backs_off = self.adaptive and not self.chain
-        if backs_off and self.skip > 0:
-            self.skip -= 1
+        if backs_off and self.backoff.skipping():
             return None
         start = time.perf_counter()
         if self.synced > state.layout.length:  # cannot happen unless the layout was rebuilt
@@ -164,11 +162,7 @@ class Eagle3Proposer(Proposer):
         if self._worth is None or not self.draft_cost:
             return
         expected, verify = self._worth
-        if expected / (verify + self.draft_cost) < 1.0:
-            self.backoff = min(max(1, 2 * self.backoff), self.MAX_BACKOFF)
-            self.skip = self.backoff
-        else:
-            self.backoff = 0
+        self.backoff.update(paid=expected / (verify + self.draft_cost) >= 1.0)
 
     def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos):
         """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.

@@ -36,21 +36,31 @@ def prepare_features(target, tokenizer, out_dir, layer_ids, samples: int, max_le
     return cache_features(target, data, folder, list(layer_ids), progress=progress)
 
 
-def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384, draft_vocab: int = 8192,
-                 config: TrainConfig | None = None, features_dir=None, ttt_steps: int = 7, seed: int = 0,
-                 save_dtype=torch.float16, progress: bool = True, regenerate_max_new_tokens: int | None = None):
-    """Train an EAGLE-3 drafter for ``target`` on ShareGPT; the result is saved in ``out_dir`` (``save_dtype``)."""
-    from ..modeling.eagle3 import Eagle3Config, Eagle3Drafter, default_target_layer_ids
-    from .eagle3 import draft_vocabulary, ttt_loss
+def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_length: int, seed: int = 0,
+                    progress: bool = True, regenerate_max_new_tokens: int | None = None):
+    """The feature cache every trainer reads (EAGLE-3's default taps, ``features_dir`` or ``<out_dir>/features``),
+    built on first use. Returns ``(out_dir as a Path, the tapped hidden-state ids, FeatureShards)``."""
+    from ..modeling.eagle3 import default_target_layer_ids
     from .features import FeatureShards
 
-    text = target.config.get_text_config()
-    layer_ids = default_target_layer_ids(text.num_hidden_layers)
+    layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
     out = Path(out_dir)
     features = Path(features_dir) if features_dir else out / "features"
     prepare_features(target, tokenizer, features, layer_ids, samples, max_length, seed, progress,
                      regenerate_max_new_tokens)
-    shards = FeatureShards(features)
+    return out, layer_ids, FeatureShards(features)
+
+
+def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384, draft_vocab: int = 8192,
+                 config: TrainConfig | None = None, features_dir=None, ttt_steps: int = 7, seed: int = 0,
+                 save_dtype=torch.float16, progress: bool = True, regenerate_max_new_tokens: int | None = None):
+    """Train an EAGLE-3 drafter for ``target`` on ShareGPT; the result is saved in ``out_dir`` (``save_dtype``)."""
+    from ..modeling.eagle3 import Eagle3Config, Eagle3Drafter
+    from .eagle3 import draft_vocabulary, ttt_loss
+
+    text = target.config.get_text_config()
+    out, layer_ids, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed,
+                                             progress, regenerate_max_new_tokens)
     counts = shards.token_counts(text.vocab_size)
     size = min(draft_vocab, text.vocab_size)
     d2t, t2d = draft_vocabulary(counts, size)
@@ -94,17 +104,11 @@ def train_dflash(target, tokenizer, out_dir, layers: int = 3, block_size: int = 
     """Train a DFlash drafter for ``target``. The context taps are the layer outputs matching EAGLE-3's default
     features (so both drafters share one feature cache); ``mask_token_id`` defaults to the last vocabulary row."""
     from ..modeling.dflash import DFlashConfig, DFlashDrafter
-    from ..modeling.eagle3 import default_target_layer_ids
     from .dflash import block_loss, layer_ids_from_features
-    from .features import FeatureShards
 
     text = target.config.get_text_config()
-    hidden_ids = default_target_layer_ids(text.num_hidden_layers)
-    out = Path(out_dir)
-    features = Path(features_dir) if features_dir else out / "features"
-    prepare_features(target, tokenizer, features, hidden_ids, samples, max_length, seed, progress,
-                     regenerate_max_new_tokens)
-    shards = FeatureShards(features)
+    out, hidden_ids, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed,
+                                              progress, regenerate_max_new_tokens)
     rope = getattr(text, "rope_parameters", None) or {}
     cfg = DFlashConfig(
         hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=layers,
@@ -157,15 +161,10 @@ def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500
     import copy
 
     from ..draft_models import load_draft_model, save_draft_model
-    from ..modeling.eagle3 import default_target_layer_ids
-    from .features import FeatureShards
 
     text = target.config.get_text_config()
-    out = Path(out_dir)
-    features = Path(features_dir) if features_dir else out / "features"
-    prepare_features(target, tokenizer, features, default_target_layer_ids(text.num_hidden_layers), samples,
-                     max_length, seed, progress, regenerate_max_new_tokens)
-    shards = FeatureShards(features)
+    out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
+                                     regenerate_max_new_tokens)
     cfg = copy.deepcopy(target.config)
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
