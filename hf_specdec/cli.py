@@ -42,6 +42,12 @@ def _bench(args) -> int:
 
     model, tok = _load_model(args.target, args.dtype, args.device)
     drafter = eagle3 = dflash = None
+    if args.target is None:  # the default model: the drafters shipped for it, unless others are given
+        from .demo import shipped_drafter
+
+        for attr, name in (("eagle3", "smollm2-135m-instruct-eagle3"), ("dflash", "smollm2-135m-instruct-dflash")):
+            if getattr(args, attr) is None and shipped_drafter(name) is not None:
+                setattr(args, attr, str(shipped_drafter(name)))
     if args.drafter:
         from .draft_models import load_draft_model
 
@@ -111,8 +117,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="benchmark methods against plain generate() and transformers' own modes")
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="draft model for 'assisted' / 'hf_assisted'")
-    p.add_argument("--eagle3", default=None, help="EAGLE-3 drafter (converted or published) for 'eagle3' methods")
-    p.add_argument("--dflash", default=None, help="DFlash drafter (converted or published) for 'dflash' methods")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 drafter (converted or published) for 'eagle3' methods "
+                                                   "(default for the default model: the shipped one)")
+    p.add_argument("--dflash", default=None, help="DFlash drafter (converted or published) for 'dflash' methods "
+                                                   "(default for the default model: the shipped one)")
     p.add_argument("--methods", default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
                    help="comma-separated: prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, "
                         "eagle3[:TOPK-DEPTH-TOTAL], eagle3_chain:K, dflash[:B], dflash_fixed[:B] (plain generate() always "

@@ -28,13 +28,16 @@ def _stdlib_snippet(name: str = "textwrap.py", start: int = 2300, length: int = 
 
 
 def demo_prompts() -> list[tuple[str, str]]:
-    """``(kind, prompt)`` pairs: two that copy from the prompt, two that do not."""
+    """``(kind, prompt)`` pairs: two that copy from the prompt, two chat prompts that do not, and one grade-school
+    word problem (the kind of answer the shipped drafters were trained on; written for the demo, not from GSM8K)."""
     return [
         ("copy", "Rename the variable `text` to `content` everywhere in this code and output the whole code:\n"
                  f"```python\n{_stdlib_snippet()}\n```"),
         ("copy", f"Repeat the following paragraph, replacing 'Sunday' with 'Saturday':\n\n{_NEWS}"),
         ("chat", "Write a short story about a robot who learns to paint."),
         ("chat", "What are three tips for staying productive while working from home?"),
+        ("math", "A baker fills 14 trays with 12 muffins each. She sells 96 muffins in the morning and half of the "
+                 "rest in the afternoon. How many muffins are left?\nLet's think step by step."),
     ]
 
 
@@ -113,7 +116,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
                           f"{'identical' if same else 'MISMATCH'}", flush=True)
     summary = {}
     for name in chosen:
-        for kind in ("copy", "chat"):
+        for kind in ("copy", "chat", "math"):
             sel = [r for r in rows if r["method"] == name and r["kind"] == kind]
             if not sel:
                 continue

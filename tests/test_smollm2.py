@@ -58,3 +58,33 @@ def test_copy_prompt_accepts_drafts(smollm2, monkeypatch):
     out = model.generate(**enc, max_new_tokens=48, do_sample=False, return_dict_in_generate=True,
                          custom_generate=hf_specdec.decoding_method("prompt_lookup"))
     assert out.speculative_stats["acceptance_length"] > 1.5
+
+
+@pytest.mark.parametrize("name,method", [("smollm2-135m-instruct-eagle3", "eagle3"),
+                                         ("smollm2-135m-instruct-dflash", "dflash")])
+def test_shipped_drafters_are_small_half_precision_and_lossless(smollm2, name, method):
+    import json
+
+    from safetensors import safe_open
+
+    from hf_specdec.demo import available_demo_methods, shipped_drafter
+
+    folder = shipped_drafter(name)
+    if folder is None:
+        pytest.skip(f"{name} is not shipped in this checkout")
+    weights = folder / "model.safetensors"
+    assert weights.stat().st_size < 40e6
+    with safe_open(str(weights), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()} == {torch.float16}
+        assert not any(k.startswith(("embed_tokens", "model.embed_tokens")) for k in f.keys())
+    assert json.loads((folder / "config.json").read_text())["target_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model, tok = smollm2
+    opts = available_demo_methods(model)[method]
+    tok.padding_side = "left"
+    enc = _enc(tok, ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+                     "How many clips did Natalia sell altogether in April and May?\nLet's think step by step.",
+                     demo_prompts()[2][1]])
+    ref = model.generate(**enc, max_new_tokens=32, do_sample=False)
+    out = model.generate(**enc, max_new_tokens=32, do_sample=False,
+                         custom_generate=hf_specdec.decoding_method(method, **opts))
+    assert torch.equal(out, ref)

@@ -51,7 +51,7 @@ def stdlib_stubs(root=None) -> list[str]:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
-        except (UnicodeDecodeError, SyntaxError, ValueError):
+        except (UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
             continue
         lines = source.splitlines()
         for node in ast.walk(tree):
