@@ -43,11 +43,11 @@ def _bench(args) -> int:
     model, tok = _load_model(args.target, args.dtype, args.device)
     drafter = eagle3 = dflash = None
     if args.target is None:  # the default model: the drafters shipped for it, unless others are given
-        from .demo import shipped_drafter
+        from .demo import SHIPPED_NAMES, shipped_drafter
 
-        for attr, name in (("eagle3", "smollm2-135m-instruct-eagle3"), ("dflash", "smollm2-135m-instruct-dflash")):
-            if getattr(args, attr) is None and shipped_drafter(name) is not None:
-                setattr(args, attr, str(shipped_drafter(name)))
+        for attr in ("eagle3", "dflash"):
+            if getattr(args, attr) is None and shipped_drafter(SHIPPED_NAMES[attr]) is not None:
+                setattr(args, attr, str(shipped_drafter(SHIPPED_NAMES[attr])))
     if args.drafter:
         from .draft_models import load_draft_model
 

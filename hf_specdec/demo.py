@@ -47,6 +47,8 @@ def _encode(tokenizer, prompt):
 
 
 SHIPPED = Path(__file__).parent / "drafters"
+SHIPPED_NAMES = {"eagle3": "smollm2-135m-instruct-eagle3", "dflash": "smollm2-135m-instruct-dflash",
+                 "assisted": "smollm2-135m-instruct-student"}  # the default model's drafters, by method
 
 
 def shipped_drafter(name: str) -> Path | None:
@@ -59,17 +61,17 @@ def available_demo_methods(model, eagle3=None, dflash=None, drafter=None) -> dic
     """Prompt lookup, plus every method whose SmolLM2 drafter is given (a trained folder, e.g. ``runs/eagle3/final``)
     or ships with the package (EAGLE-3, DFlash, the distilled student for ``assisted``)."""
     methods = {"prompt_lookup": {}}
-    eagle = eagle3 or shipped_drafter("smollm2-135m-instruct-eagle3")
+    eagle = eagle3 or shipped_drafter(SHIPPED_NAMES["eagle3"])
     if eagle is not None:
         from .entry import _load_eagle3
 
         methods["eagle3"] = {"drafter": _load_eagle3(str(eagle), model)}
-    dflash = dflash or shipped_drafter("smollm2-135m-instruct-dflash")
+    dflash = dflash or shipped_drafter(SHIPPED_NAMES["dflash"])
     if dflash is not None:
         from .entry import _load_dflash
 
         methods["dflash"] = {"drafter": _load_dflash(str(dflash), model)}
-    student = drafter or shipped_drafter("smollm2-135m-instruct-student")
+    student = drafter or shipped_drafter(SHIPPED_NAMES["assisted"])
     if student is not None:
         from .draft_models import load_draft_model
 

@@ -66,10 +66,7 @@ def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: in
                                              progress, regenerate_max_new_tokens, data_path)
     torch.manual_seed(seed)
     if init_from is not None:
-        drafter = _init_drafter(Eagle3Drafter, init_from, target)
-        if list(drafter.config.target_layer_ids) != list(layer_ids):
-            raise ValueError(f"{init_from} reads target features {drafter.config.target_layer_ids}, the feature "
-                             f"cache holds {layer_ids}.")
+        drafter = _init_drafter(Eagle3Drafter, init_from, target, layer_ids)
         return _train_eagle3_model(drafter, target, shards, out, config, ttt_steps, save_dtype, progress)
     counts = shards.token_counts(text.vocab_size)
     size = min(draft_vocab, text.vocab_size)
@@ -90,10 +87,13 @@ def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: in
     return _train_eagle3_model(drafter, target, shards, out, config, ttt_steps, save_dtype, progress)
 
 
-def _init_drafter(cls, folder, target):
-    """A trained drafter to continue from, in fp32, checked against the target."""
+def _init_drafter(cls, folder, target, taps: list[int]):
+    """A trained drafter to continue from, in fp32, checked against the target and the feature cache's ``taps``."""
     drafter = cls.from_pretrained(folder, dtype=torch.float32)
     drafter.config.check_target(target.config)
+    reads = drafter.config.layer_ids_for(target.config.get_text_config().num_hidden_layers)
+    if list(reads) != list(taps):
+        raise ValueError(f"{folder} reads target layers {reads}; the feature cache was built for {list(taps)}.")
     return drafter
 
 
@@ -134,25 +134,22 @@ def train_dflash(target, tokenizer, out_dir, layers: int = 3, block_size: int = 
     text = target.config.get_text_config()
     out, hidden_ids, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed,
                                               progress, regenerate_max_new_tokens, data_path)
-    rope = getattr(text, "rope_parameters", None) or {}
-    cfg = DFlashConfig(
-        hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=layers,
-        num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
-        head_dim=getattr(text, "head_dim", None), rms_norm_eps=text.rms_norm_eps, hidden_act=text.hidden_act,
-        vocab_size=text.vocab_size, block_size=block_size,
-        mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        target_layer_ids=layer_ids_from_features(hidden_ids), num_target_layers=text.num_hidden_layers,
-        target_hidden_size=text.hidden_size, rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
-        target_model=getattr(target.config, "_name_or_path", None) or None,
-    )
+    taps = layer_ids_from_features(hidden_ids)
     torch.manual_seed(seed)
     if init_from is not None:
-        drafter = _init_drafter(DFlashDrafter, init_from, target)
-        if list(drafter.config.target_layer_ids) != list(cfg.target_layer_ids):
-            raise ValueError(f"{init_from} reads target layers {drafter.config.target_layer_ids}, the feature "
-                             f"cache holds the outputs of {cfg.target_layer_ids}.")
+        drafter = _init_drafter(DFlashDrafter, init_from, target, taps)
     else:
-        drafter = DFlashDrafter(cfg)
+        rope = getattr(text, "rope_parameters", None) or {}
+        drafter = DFlashDrafter(DFlashConfig(
+            hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=layers,
+            num_attention_heads=text.num_attention_heads, num_key_value_heads=text.num_key_value_heads,
+            head_dim=getattr(text, "head_dim", None), rms_norm_eps=text.rms_norm_eps, hidden_act=text.hidden_act,
+            vocab_size=text.vocab_size, block_size=block_size,
+            mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            target_layer_ids=taps, num_target_layers=text.num_hidden_layers, target_hidden_size=text.hidden_size,
+            rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
+            target_model=getattr(target.config, "_name_or_path", None) or None,
+        ))
     drafter.config.check_target(target.config)
     embed = target.get_input_embeddings().weight.detach()
     head = target.get_output_embeddings().weight.detach()

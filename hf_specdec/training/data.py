@@ -77,33 +77,15 @@ def tokenize_conversation(tokenizer, turns: list[dict], max_length: int):
 def regenerate(target, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 256, batch_size: int = 8,
                progress: bool = True) -> list[list[dict]]:
     """Replace each conversation by its first user turn and the target's own greedy answer (what the drafter will
-    see at inference), generated in left-padded batches with hf_specdec's prompt lookup (lossless)."""
-    import sys
+    see at inference); conversations whose answer is empty are dropped. See :func:`.regenerate.greedy_answers`."""
+    from .regenerate import greedy_answers
 
-    import torch
-    from tqdm.auto import tqdm
-
-    from ..entry import decoding_method
-
-    side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
-    firsts = [[next(t for t in turns if t["role"] == "user")] for turns in conversations]
-    out = []
-    try:
-        for i in tqdm(range(0, len(firsts), batch_size), desc="regenerate", disable=not progress, file=sys.stderr):
-            chunk = firsts[i:i + batch_size]
-            texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chunk]
-            enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(target.device)
-            with torch.no_grad():
-                gen = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                      custom_generate=decoding_method("prompt_lookup"))
-            for c, row in zip(chunk, gen[:, enc["input_ids"].shape[1]:]):
-                answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                if answer:
-                    out.append(c + [{"role": "assistant", "content": answer}])
-    finally:
-        tokenizer.padding_side = side
-    return out
+    firsts = [next(t for t in turns if t["role"] == "user")["content"] for turns in conversations]
+    answers = {}
+    for batch in greedy_answers(target, tokenizer, firsts, max_new_tokens, batch_size, progress=progress):
+        answers.update(batch)
+    return [[{"role": "user", "content": firsts[i]}, {"role": "assistant", "content": answers[i]}]
+            for i in range(len(firsts)) if answers[i]]
 
 
 def training_samples(tokenizer, count: int, max_length: int = 512, seed: int = 0, min_assistant_tokens: int = 16,

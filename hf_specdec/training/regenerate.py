@@ -96,43 +96,51 @@ def recipe_prompts(tokenizer, sharegpt: int = 500, gsm8k: int = 500, code: int =
     return prompts
 
 
-def regenerate_to_file(target, tokenizer, prompts: list[tuple[str, str]], out, max_new_tokens: int = 160,
-                       batch_size: int = 64, progress: bool = True) -> Path:
-    """Answer every prompt with the target's greedy ``generate()`` in left-padded batches of similar prompt length
-    and write them to ``out`` (resumable: prompts already in the file are skipped)."""
+def greedy_answers(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, skip=(),
+                   progress: bool = True):
+    """Answer each user prompt with the target's greedy ``generate()`` (chat template, left-padded batches of
+    similar prompt length); yields ``{prompt index: answer}`` per batch. Indices in ``skip`` are not generated."""
     import torch
     from tqdm.auto import tqdm
 
-    out = Path(out)
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError("max_new_tokens and batch_size must be positive.")
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                           tokenize=False) for _, p in prompts]
+                                           tokenize=False) for p in prompts]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    order = sorted(range(len(texts)), key=lambda i: lengths[i])
-    done = {r["id"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    todo = [i for i in sorted(range(len(texts)), key=lambda i: lengths[i]) if i not in skip]
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
-    bar = tqdm(total=len(texts), initial=len(done), desc="regenerate", unit="prompt", disable=not progress,
-               file=sys.stderr)
+    bar = tqdm(total=len(texts), initial=len(texts) - len(todo), desc="regenerate", unit="prompt",
+               disable=not progress, file=sys.stderr)
     try:
-        for start in range(0, len(order), batch_size):
-            chunk = [i for i in order[start:start + batch_size] if str(i) not in done]
-            if not chunk:
-                continue
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start:start + batch_size]
             enc = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True,
                             add_special_tokens=False).to(target.device)
             with torch.no_grad():
                 generated = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
-            for i, row in zip(chunk, generated[:, enc["input_ids"].shape[1]:]):
-                answer = tokenizer.decode(row, skip_special_tokens=True).strip()
-                done[str(i)] = {"id": str(i), "source": prompts[i][0], "conversations": [
-                    {"from": "human", "value": prompts[i][1]}, {"from": "gpt", "value": answer}]}
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(list(done.values())))
-            tmp.replace(out)
+            new = generated[:, enc["input_ids"].shape[1]:]
+            yield {i: tokenizer.decode(row, skip_special_tokens=True).strip() for i, row in zip(chunk, new)}
             bar.update(len(chunk))
     finally:
         tokenizer.padding_side = side
         bar.close()
+
+
+def regenerate_to_file(target, tokenizer, prompts: list[tuple[str, str]], out, max_new_tokens: int = 160,
+                       batch_size: int = 64, progress: bool = True) -> Path:
+    """Answer every ``(source, prompt)`` with :func:`greedy_answers` and write ShareGPT-format records to ``out``
+    after each batch (resumable: prompts already in the file are skipped)."""
+    out = Path(out)
+    done = {r["id"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    skip = {int(key) for key in done}
+    for batch in greedy_answers(target, tokenizer, [p for _, p in prompts], max_new_tokens, batch_size, skip,
+                                progress):
+        for i, answer in batch.items():
+            done[str(i)] = {"id": str(i), "source": prompts[i][0], "conversations": [
+                {"from": "human", "value": prompts[i][1]}, {"from": "gpt", "value": answer}]}
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(list(done.values())))
+        tmp.replace(out)
     return out
