@@ -1,7 +1,8 @@
 """Measured forward costs and the draft-length rule built on them.
 
-A verification forward over ``q`` new tokens costs ``c(q)`` times a one-token decoding step (on this 2-core CPU
-about 1.1x for q=2, 1.5x for q=4, 1.9x for q=8; on a GPU close to 1 up to dozens of tokens). A draft of ``k``
+A verification forward over ``q`` new tokens costs ``c(q)`` times a one-token decoding step (on this 2-core CPU,
+SmolLM2-135M fp32: about 1.6x for q=2-4 and 1.8x for q=8 with the model's own kernels, about 1.0x for q=2-4 and 1.6x
+for q=8 with :mod:`hf_specdec.kernels`; on a GPU close to 1 up to dozens of tokens). A draft of ``k``
 tokens, each accepted with probability ``alpha`` given the previous one was, commits on average
 ``1 + alpha + ... + alpha^k`` tokens. The loop measures ``c(q)`` while it runs (:class:`ForwardCostModel`) and a
 proposer picks the ``k`` that maximises tokens per unit of time (:func:`best_draft_length`), drafting nothing when
@@ -13,9 +14,9 @@ from __future__ import annotations
 import math
 import weakref
 
-# Relative cost of a q-token forward over a ~256-token cache vs q=1, SmolLM2-135M fp32 on the 2-core CPU
-# (../shared/reference/offline-models-and-data.md): used until the loop has measured its own.
-_CPU_PRIOR = {1: 1.0, 2: 1.11, 4: 1.53, 8: 1.92, 16: 2.06, 32: 2.47, 64: 3.4}
+# Relative cost of a q-token forward over a ~256-token cache vs q=1, SmolLM2-135M fp32 on the 2-core CPU with the
+# verification kernels (hf_specdec.kernels): used until the loop has measured its own.
+_CPU_PRIOR = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.6, 16: 2.1, 32: 2.5, 64: 3.4}
 _GPU_PRIOR = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.15, 64: 1.4}
 
 

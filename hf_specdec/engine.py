@@ -16,6 +16,7 @@ Invariants of the loop (per row ``b`` of the batch):
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from . import cache as cache_ops
 from .costs import ForwardCostModel
+from .kernels import VerifyKernels
 from .proposers.base import Proposer
 from .tree import DraftTree, build_attention_mask
 from .verify import AcceptResult, accept
@@ -257,8 +259,16 @@ def speculative_decode(
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
 
     Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
-    ``generation_config.return_dict_in_generate`` is set.
+    ``generation_config.return_dict_in_generate`` is set. On the CPU the verification forwards use
+    :class:`~hf_specdec.kernels.VerifyKernels` (``HF_SPECDEC_VERIFY_KERNELS=0`` turns them off).
     """
+    with VerifyKernels(model, enabled=os.environ.get("HF_SPECDEC_VERIFY_KERNELS", "1") != "0") as kernels:
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer,
+                       kernels, **model_kwargs)
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer: Proposer, streamer,
+            kernels: VerifyKernels, **model_kwargs):
     t_start = time.perf_counter()
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
@@ -357,7 +367,7 @@ def speculative_decode(
     proposer.begin(state)
     process = state.process_fn()
     if proposer.max_nodes > 1 and any(state.active):
-        _calibrate(model, cache, state, proposer.max_nodes, text_config, dtype, static)
+        _calibrate(model, cache, state, proposer.max_nodes, text_config, dtype, static, kernels)
 
     while any(state.active):
         # ---- room in the cache: rows of a batch leave holes; move real columns together when they waste too much
@@ -395,8 +405,9 @@ def speculative_decode(
             text_config, state.layout.valid, state.layout.positions, node_pos, tree.ancestors, dtype,
             kv_width=cache.get_max_length() if static else None,
         )
-        out = model(input_ids=tree.tokens, attention_mask=mask, position_ids=node_pos, cache=cache, use_cache=True,
-                    return_dict=True, **forward_kwargs)
+        with kernels.verifying(n_nodes):
+            out = model(input_ids=tree.tokens, attention_mask=mask, position_ids=node_pos, cache=cache,
+                        use_cache=True, return_dict=True, **forward_kwargs)
         logits = out.logits.float()
         state.hidden_states = getattr(out, "hidden_states", None) if hidden_idx else None
         del out
@@ -465,7 +476,8 @@ def speculative_decode(
     )
 
 
-def _calibrate(model, cache, state: DecodingState, max_nodes: int, text_config, dtype, static: bool) -> None:
+def _calibrate(model, cache, state: DecodingState, max_nodes: int, text_config, dtype, static: bool,
+               kernels: VerifyKernels) -> None:
     """Time one forward per draft size the proposer may use, once per model, device and batch size.
 
     The draft-length rules pick lengths from these costs (:mod:`hf_specdec.costs`); measuring them up front avoids
@@ -483,7 +495,9 @@ def _calibrate(model, cache, state: DecodingState, max_nodes: int, text_config, 
         mask = build_attention_mask(text_config, state.layout.valid, state.layout.positions, pos, causal, dtype,
                                     kv_width=cache.get_max_length() if static else None)
         t0 = time.perf_counter()
-        model(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True, return_dict=True)
+        with kernels.verifying(q):
+            model(input_ids=tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                  return_dict=True)
         if state.device.type == "cuda":
             torch.cuda.synchronize(state.device)
         if i > 0:

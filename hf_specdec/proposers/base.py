@@ -12,10 +12,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class BackOff:
     """Exponential back-off for a drafter that does not pay: after a proposal that was not worth it, skip the next
-    1, 2, 4 .. ``limit`` proposals; one that pays resets it."""
+    1, 2, 4 .. ``limit`` proposals; one that pays resets it.
+
+    :meth:`judge` decides "worth it" with the drafting time included: expected committed tokens over the cost of the
+    verification plus the proposal, both in one-token target steps, must reach plain decoding's 1 token per step.
+    """
 
     def __init__(self, limit: int = 16):
         self.limit, self.skip, self.length = limit, 0, 0
+        self.draft_cost = 0.0  # a proposal's time in units of a one-token target step (running)
+
+    def judge(self, state, seconds: float | None, expected: float | None, verify: float | None) -> None:
+        """Record a proposal that took ``seconds`` and whose best draft expects ``expected`` tokens for a
+        verification costing ``verify`` steps (``expected=None``: only record the time; ``seconds=None``: an
+        untypical proposal, e.g. one that fed a backlog of context, whose time is not recorded)."""
+        step = state.cost_model.step_seconds() if state.cost_model is not None else None
+        if step and seconds is not None:
+            rel = seconds / step
+            self.draft_cost = 0.8 * self.draft_cost + 0.2 * rel if self.draft_cost else rel
+        if expected is not None and self.draft_cost:
+            self.update(paid=expected / (verify + self.draft_cost) >= 1.0)
 
     def skipping(self) -> bool:
         """Whether this step's proposal is skipped (counts the step down)."""

@@ -6,11 +6,14 @@ of the columns committed since the last step as new context together with the bl
 positions ``root_position + 0..B-1``; the block's keys/values are dropped afterwards. Draft ``i`` is the prediction at
 block position ``i`` (argmax, or a sample from the drafter's distribution when the call samples). The number of drafts
 kept is chosen from the drafter's confidence and the measured verification costs (``adaptive``). When the adaptive rule
-keeps nothing, the drafter is not run again for 1, 2, 4, ... (at most 16) steps — a drafter that cannot
-pay for itself then costs almost nothing — and the skipped context is fed at the next probe.
+keeps nothing, or the best draft does not pay for the verification plus the drafter's own time, the drafter is not run
+again for 1, 2, 4, ... (at most 16) steps — a drafter that cannot pay for itself then costs almost nothing — and the
+skipped context is fed at the next probe.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -88,23 +91,26 @@ class DFlashProposer(Proposer):
             masks.append(mask[:, None])
         return masks
 
-    def _keep(self, state, probs: torch.Tensor, budget: int) -> int:
+    def _keep(self, state, probs: torch.Tensor, budget: int) -> tuple[int, tuple[float, float] | None]:
         """Drafts worth verifying: ``k`` maximising expected committed tokens per unit of forward cost, where draft
-        ``i`` is accepted with probability ~ the product of the drafter's top probabilities up to ``i``."""
+        ``i`` is accepted with probability ~ the product of the drafter's top probabilities up to ``i``; with the
+        expected tokens and the verification cost of that ``k`` (``None`` when no ``k`` beats a plain step)."""
         if not self.adaptive:
-            return budget
+            return budget, None
         reach = torch.cumprod(probs[:budget].clamp(max=1.0) * min(self.calibration, 1.5), 0).clamp(max=1.0)
         expected = 1.0 + torch.cumsum(reach, 0)
-        best_k, best_rate = 0, 1.0
+        best_k, best_rate, worth = 0, 1.0, None
         for k in range(1, budget + 1):
-            rate = float(expected[k - 1]) / state.cost_model.relative(k + 1)
+            verify = state.cost_model.relative(k + 1)
+            rate = float(expected[k - 1]) / verify
             if rate > best_rate:
-                best_k, best_rate = k, rate
-        return best_k
+                best_k, best_rate, worth = k, rate, (float(expected[k - 1]), verify)
+        return best_k, worth
 
     def propose(self, state):
         if self.backoff.skipping():
             return None
+        t0 = time.perf_counter()
         layout = state.layout
         bsz, size = state.batch_size, self.block_size
         start, end = self.synced, layout.length
@@ -118,7 +124,7 @@ class DFlashProposer(Proposer):
         cache_ops.crop(self.cache, end)  # keep the context, drop the block
         logits = self.drafter.draft_logits(hidden[:, 1:]).float().to(state.device)  # [B, size-1, V]
         process = state.process_fn()
-        drafts, probs_all, kept, predicted = [], [], [], []
+        drafts, probs_all, kept, predicted, best = [], [], [], [], None
         for b in range(bsz):
             budget = min(state.max_drafts[b], size - 1)
             row_logits = logits[b]
@@ -138,17 +144,22 @@ class DFlashProposer(Proposer):
                 row_probs = None
                 row_tokens = row_logits.argmax(-1)
             confidence = (row_probs if row_probs is not None else torch.softmax(row_logits, -1)).max(-1).values
-            k = self._keep(state, confidence, budget) if budget > 0 else 0
+            k, worth = self._keep(state, confidence, budget) if budget > 0 else (0, None)
+            if worth is not None and (best is None or worth[0] / worth[1] > best[0] / best[1]):
+                best = worth
             predicted.append(float(torch.cumprod(confidence[:k], 0).sum()) if k else 0.0)
             drafts.append(row_tokens)
             probs_all.append(row_probs)
             kept.append(k)
+        seconds = time.perf_counter() - t0 if end - start <= 8 else None  # a backlog of context: not typical
         if not any(kept):
             self._predicted = None
             if self.adaptive and all(state.max_drafts[b] > 0 for b in range(bsz)):
+                self.backoff.judge(state, seconds, None, None)
                 self.backoff.update(paid=False)
             return None
-        self.backoff.update(paid=True)
+        if self.adaptive:
+            self.backoff.judge(state, seconds, *(best or (None, None)))
         self._predicted = predicted
         tokens = torch.stack(drafts)
         draft_probs = torch.stack(probs_all) if state.do_sample else None

@@ -67,7 +67,6 @@ class Eagle3Proposer(Proposer):
         self.synced = 0  # target layout columns whose drafter rows are in the drafter cache
         self.features = self._fuse(state.hidden_states)  # [B, T, 3H]: one fused feature per layout column
         self.backoff = BackOff()
-        self.draft_cost = 0.0  # a proposal's time in units of a one-token target step (running)
         self._worth = None
 
     def _fuse(self, hidden_states) -> torch.Tensor:
@@ -154,15 +153,8 @@ class Eagle3Proposer(Proposer):
                 self._schedule(state, time.perf_counter() - start)
 
     def _schedule(self, state, seconds: float) -> None:
-        """Back off when the best tree's expected tokens per unit of cost (verify + drafting) is below plain
-        decoding's 1 token per step; draft normally again as soon as a proposal pays."""
-        step = state.cost_model.step_seconds() if state.cost_model is not None else None
-        if step:
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * (seconds / step) if self.draft_cost else seconds / step
-        if self._worth is None or not self.draft_cost:
-            return
-        expected, verify = self._worth
-        self.backoff.update(paid=expected / (verify + self.draft_cost) >= 1.0)
+        """Back off when the best tree does not pay for its verification and drafting (:meth:`BackOff.judge`)."""
+        self.backoff.judge(state, seconds, *(self._worth or (None, None)))
 
     def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos):
         """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.

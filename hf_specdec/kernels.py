@@ -1,0 +1,185 @@
+"""Faster CPU kernels for the target's multi-token verification forward (same arithmetic, other library calls).
+
+Speculative decoding pays off when scoring ``q`` drafted tokens costs about as much as scoring one. On a GPU it
+does. On a CPU two library paths break that for the small ``q`` a verification uses (measured on the 2-core AMD
+EPYC this project runs on, SmolLM2-135M fp32, 1 thread):
+
+* ``F.linear(x, W)`` with 2-4 rows takes MKL's general GEMM path and costs 1.3-3x the one-row path: the LM head
+  (49152 x 576) takes 11 ms for one row, 25 ms for two, 37 ms for three. The same product written as
+  ``(W @ x.T).T`` reads the weight once and takes 6-9 ms for 2-4 rows.
+* transformers' ``sdpa`` attention copies the whole key/value cache once per layer to repeat its grouped-query
+  heads as soon as there is more than one query token and a mask (0.6 ms per layer at 260 cached tokens).
+  Folding the query heads of one key/value group into the query length instead (what transformers already does
+  for a single query token) leaves the cache where it is.
+
+:class:`VerifyKernels` turns both on for the forwards the decoding loop marks as verification (``q >= 2``) and
+leaves every other forward -- the prefill and one-token steps that plain ``generate()`` also runs -- on the
+model's own code path, so speedups are not kernel gains that plain decoding could have had. Which of the two
+linear kernels is faster is measured per weight shape and row count while decoding (a few calls each), not
+assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU
+without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
+products summed in another order: as with any batched verification, greedy output equals plain decoding except
+where two logits tie to the last bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "hf_specdec_packed_sdpa"
+_MAX_ROWS = 32
+_TRIALS = 3
+_registered = False
+
+
+class _LinearChoice:
+    """Per (weight shape, rows, dtype, threads): is ``(W @ x.T).T`` faster than ``F.linear``? Timed in place."""
+
+    def __init__(self):
+        self.times: dict[tuple, tuple[list[float], list[float]]] = {}
+        self.choice: dict[tuple, bool] = {}
+        self.force: bool | None = None  # tests: always (True) or never (False) the transposed product
+
+    def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+        key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads())
+        use_mm = self.choice.get(key) if self.force is None else self.force
+        if use_mm is not None:
+            return _mm_t(x2, weight, bias) if use_mm else F.linear(x2, weight, bias)
+        plain, mm = self.times.setdefault(key, ([], []))
+        try_mm = len(mm) < len(plain)
+        t0 = time.perf_counter()
+        out = _mm_t(x2, weight, bias) if try_mm else F.linear(x2, weight, bias)
+        (mm if try_mm else plain).append(time.perf_counter() - t0)
+        if len(mm) >= _TRIALS:
+            self.choice[key] = min(mm) < 0.9 * min(plain)
+        return out
+
+
+def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    out = torch.mm(weight, x2.t()).t().contiguous()
+    return out if bias is None else out + bias
+
+
+_CHOICE = _LinearChoice()
+
+
+def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """``sdpa`` attention that folds the query heads of each key/value group into the query length."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_len = query.shape[2]
+    plain = (
+        groups <= 1 or q_len <= 1 or attention_mask is None or not isinstance(attention_mask, torch.Tensor)
+        or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or module.training
+        or key.shape[1] * groups != query.shape[1]
+        or any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks"))
+    )
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    bsz, heads, _, dim = query.shape
+    # head h reads key/value head h // groups (transformers' repeat_kv): row r * q_len + i of the packed query is
+    # query token i of head (kv_head * groups + r)
+    packed = query.reshape(bsz, heads // groups, groups * q_len, dim)
+    mask = attention_mask.repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(bsz, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _register() -> bool:
+    global _registered
+    if not _registered:
+        try:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+        except ImportError:  # pragma: no cover - older transformers
+            return False
+        AttentionInterface.register(ATTN_NAME, _packed_sdpa)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+        _registered = True
+    return True
+
+
+class VerifyKernels:
+    """Installs the CPU verification kernels on ``model`` for one ``generate`` call (a context manager).
+
+    Inside, :meth:`verifying` marks one forward as a verification of ``q`` tokens per row; the kernels are used
+    only there and only when ``q >= 2``. A no-op for models not on the CPU.
+
+    Example::
+
+        with VerifyKernels(model) as kernels:
+            with kernels.verifying(4):
+                out = model(input_ids=tokens, attention_mask=mask4d, position_ids=pos, past_key_values=cache)
+    """
+
+    def __init__(self, model, enabled: bool = True):
+        self.model = model
+        self.active = False
+        self.linears: list[torch.nn.Linear] = []
+        self.configs: list = []
+        self.enabled = enabled and _on_cpu(model)
+
+    def __enter__(self) -> "VerifyKernels":
+        if not self.enabled:
+            return self
+        for module in self.model.modules():
+            if (type(module) is torch.nn.Linear and "forward" not in module.__dict__
+                    and not hasattr(module, "_hf_hook") and module.weight.is_floating_point()
+                    and module.weight.device.type == "cpu" and not module._forward_hooks
+                    and not module._forward_pre_hooks):
+                module.forward = self._linear_forward(module)
+                self.linears.append(module)
+        if _register():
+            seen = set()
+            for module in self.model.modules():
+                config = getattr(module, "config", None)
+                if (hasattr(module, "num_key_value_groups") and config is not None and id(config) not in seen
+                        and getattr(config, "_attn_implementation", None) == "sdpa"):
+                    seen.add(id(config))
+                    self.configs.append(config)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.linears:
+            module.__dict__.pop("forward", None)
+        self.linears = []
+        self.configs = []
+
+    def _linear_forward(self, module: torch.nn.Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight
+            rows = x.numel() // weight.shape[1] if x.dim() else 0
+            if not self.active or rows < 2 or rows > _MAX_ROWS or x.dtype != weight.dtype:
+                return F.linear(x, weight, module.bias)
+            out = _CHOICE(x.reshape(rows, weight.shape[1]), weight, module.bias)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        return forward
+
+    @contextlib.contextmanager
+    def verifying(self, tokens_per_row: int):
+        """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row."""
+        if not self.enabled or tokens_per_row < 2 or not (self.linears or self.configs):
+            yield
+            return
+        self.active = True
+        for config in self.configs:
+            config._attn_implementation_internal = ATTN_NAME
+        try:
+            yield
+        finally:
+            self.active = False
+            for config in self.configs:
+                config._attn_implementation_internal = "sdpa"
+
+
+def _on_cpu(model) -> bool:
+    try:
+        return next(model.parameters()).device.type == "cpu"
+    except StopIteration:
+        return False

@@ -1,0 +1,115 @@
+"""The CPU verification kernels: same results as the model's own code path, installed only for one call."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import hf_specdec
+from hf_specdec import kernels
+from hf_specdec.kernels import ATTN_NAME, VerifyKernels
+from oracles import OracleTree
+from tiny import ARCHS, prompts, tiny_model
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+@pytest.mark.parametrize("q_len", [2, 5])
+def test_packed_attention_matches_repeated_heads(mask_kind, q_len):
+    torch.manual_seed(0)
+    bsz, kv_heads, past, dim = 2, 2, 11, 8
+    query = torch.randn(bsz, 6, q_len, dim)
+    key = torch.randn(bsz, kv_heads, past + q_len, dim)
+    value = torch.randn(bsz, kv_heads, past + q_len, dim)
+    allowed = torch.rand(bsz, 1, q_len, past + q_len) > 0.3
+    allowed[..., 0] = True
+    mask = allowed if mask_kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo().min)
+    module = _Attn().eval()
+    ref, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=dim ** -0.5)
+    out, _ = kernels._packed_sdpa(module, query, key, value, mask, scaling=dim ** -0.5)
+    assert out.shape == ref.shape == (bsz, q_len, 6, dim)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_packed_attention_falls_back_where_it_does_not_apply():
+    torch.manual_seed(0)
+    module = _Attn().eval()
+    query, key, value = torch.randn(1, 6, 1, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    ref, _ = sdpa_attention_forward(module, query, key, value, None)
+    out, _ = kernels._packed_sdpa(module, query, key, value, None)  # one query token, no mask
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 9])
+def test_transposed_product_matches_linear(rows):
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(rows, 24)
+    torch.testing.assert_close(kernels._mm_t(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert kernels._mm_t(x, weight, None).is_contiguous()
+
+
+def test_linear_choice_is_measured_then_kept():
+    choice = kernels._LinearChoice()
+    weight, x = torch.randn(64, 16), torch.randn(3, 16)
+    for _ in range(2 * kernels._TRIALS):
+        torch.testing.assert_close(choice(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    key = next(iter(choice.times))
+    assert key[:2] == ((64, 16), 3) and [len(t) for t in choice.times[key]] == [kernels._TRIALS] * 2
+    assert key in choice.choice
+
+
+def test_installed_for_one_call_and_only_for_verification():
+    model = tiny_model("llama")
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    with VerifyKernels(model) as k:
+        assert k.linears and all("forward" in m.__dict__ for m in linears)
+        with k.verifying(1):
+            assert not k.active and model.config._attn_implementation == "sdpa"
+        with k.verifying(4):
+            assert k.active and model.config._attn_implementation == ATTN_NAME
+        assert not k.active and model.config._attn_implementation == "sdpa"
+    assert all("forward" not in m.__dict__ for m in linears)
+
+
+def test_hooked_modules_are_left_alone():
+    model = tiny_model("llama")
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda *a: None)
+    with VerifyKernels(model) as k:
+        assert head not in k.linears and "forward" not in head.__dict__
+    handle.remove()
+    with VerifyKernels(model, enabled=False) as k:
+        assert not k.linears and not k.configs
+
+
+@pytest.fixture(params=[True, False], ids=["transposed", "linear"])
+def forced(request):
+    kernels._CHOICE.force = request.param
+    yield request.param
+    kernels._CHOICE.force = None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_lossless_with_kernels_forced(arch, forced, monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape[2])
+        return kernels._packed_sdpa(*args, **kwargs)
+
+    kernels._register()
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_NAME, spy)
+    m = tiny_model(arch)
+    ids, mask = prompts(3, length=12, seed=3)
+    kw = dict(max_new_tokens=20, eos_token_id=None, do_sample=False)
+    ref = m.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = m.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_specdec.decoding_method(OracleTree(ref)),
+                     **kw)
+    assert torch.equal(out, ref)
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
+    assert (min(calls) >= 2) if arch != "gpt2" else not calls  # only verification forwards, only GQA models
