@@ -67,6 +67,9 @@ def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
 _CHOICE = _LinearChoice()
 
 
+_MASK: tuple = (None, 0, None)  # the last mask seen, its group count, and it repeated for the packed query rows
+
+
 def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """``sdpa`` attention that folds the query heads of each key/value group into the query length."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -86,7 +89,13 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     # head h reads key/value head h // groups (transformers' repeat_kv): row r * q_len + i of the packed query is
     # query token i of head (kv_head * groups + r)
     packed = query.reshape(bsz, heads // groups, groups * q_len, dim)
-    mask = attention_mask.repeat(1, 1, groups, 1)
+    global _MASK
+    last = _MASK  # every layer gets the same mask: repeat it once per forward (one tuple: safe across threads)
+    if last[0] is attention_mask and last[1] == groups:
+        mask = last[2]
+    else:
+        mask = attention_mask.repeat(1, 1, groups, 1)
+        _MASK = (attention_mask, groups, mask)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(bsz, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
@@ -164,6 +173,7 @@ class VerifyKernels:
     @contextlib.contextmanager
     def verifying(self, tokens_per_row: int):
         """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row."""
+        global _MASK
         if not self.enabled or tokens_per_row < 2 or not (self.linears or self.configs):
             yield
             return
@@ -174,6 +184,7 @@ class VerifyKernels:
             yield
         finally:
             self.active = False
+            _MASK = (None, 0, None)
             for config in self.configs:
                 config._attn_implementation_internal = "sdpa"
 

@@ -14,7 +14,9 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
 
 * ``machine``: platform, cpu count, torch / transformers versions, device
 * ``config``: the command-line options
-* ``cost_curve_ms``: ``{q: median milliseconds of a target forward over q new tokens, ~256-token cache}``
+* ``cost_curve_ms``: ``{q: median milliseconds of a target forward over q new tokens, ~256-token cache}``, as the
+  loop runs it (CPU verification kernels on for q >= 2 unless turned off); ``cost_curve_model_kernels_ms``: the same
+  with the model's own kernels (CPU only)
 * ``runs``: one record per (method, prompt): ``method, dataset, prompt_id, new_tokens, seconds,
   prefill_seconds, target_forwards, forward_sizes, target_forward_seconds, drafter_forward_seconds, tau,
   ceiling, identical, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated memory on
@@ -183,25 +185,40 @@ def build_methods(names: list[str], drafter=None, eagle3=None, dflash=None) -> l
 
 
 # ------------------------------------------------------------------------------------------------- the bench
-def forward_cost_curve(model, input_ids, sizes, reps: int = 5) -> dict[int, float]:
-    """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved)."""
+def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | None = None) -> dict[int, float]:
+    """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved), fed as
+    the decoding loop feeds a verification: a 4D mask, and :class:`~hf_specdec.kernels.VerifyKernels` for q >= 2
+    unless ``kernels=False`` (default: on unless ``HF_SPECDEC_VERIFY_KERNELS=0``)."""
+    import os
+
     from transformers import DynamicCache
 
+    from ..kernels import VerifyKernels
+    from ..tree import build_attention_mask
+
+    if kernels is None:
+        kernels = os.environ.get("HF_SPECDEC_VERIFY_KERNELS", "1") != "0"
     device = model.device
-    vocab = model.config.get_text_config().vocab_size
+    text_config = model.config.get_text_config()
+    vocab = text_config.vocab_size
+    bsz, past = input_ids.shape
     times = {q: [] for q in sizes}
-    with torch.no_grad():
+    with torch.no_grad(), VerifyKernels(model, enabled=kernels) as fast:
         cache = DynamicCache()
         model(input_ids=input_ids.to(device), cache=cache)
-        past = input_ids.shape[1]
+        valid = torch.ones(bsz, past, dtype=torch.bool, device=device)
+        past_pos = torch.arange(past, device=device)[None].expand(bsz, -1)
         for _ in range(reps):
             for q in sizes:
-                x = torch.randint(0, vocab, (input_ids.shape[0], q), device=device)
-                pos = torch.arange(past, past + q, device=device)[None].expand(input_ids.shape[0], -1)
+                x = torch.randint(0, vocab, (bsz, q), device=device)
+                pos = torch.arange(past, past + q, device=device)[None].expand(bsz, -1)
+                causal = torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(bsz, q, q)
+                mask = build_attention_mask(text_config, valid, past_pos, pos, causal, model.dtype)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                model(input_ids=x, position_ids=pos, cache=cache)
+                with fast.verifying(q):
+                    model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[q].append(time.perf_counter() - t0)
@@ -278,6 +295,7 @@ def run_bench(model, tokenizer, methods: list[Method], datasets: list[str], limi
     ctx = enc0["input_ids"][:1]
     ctx = ctx.repeat(1, max(1, 256 // ctx.shape[1] + 1))[:, :256].repeat(batch_size, 1)
     curve = forward_cost_curve(model, ctx, sizes)
+    curve_own = forward_cost_curve(model, ctx, sizes, kernels=False) if device.type == "cpu" else None
 
     runs = []
     total = sum((len(p) + batch_size - 1) // batch_size for p in prompts.values())
@@ -323,6 +341,7 @@ def run_bench(model, tokenizer, methods: list[Method], datasets: list[str], limi
         "machine": _machine(device),
         "config": config or {},
         "cost_curve_ms": curve,
+        "cost_curve_model_kernels_ms": curve_own,
         "runs": runs,
         "summary": summarize(runs, curve),
     }
@@ -431,6 +450,11 @@ def markdown(result: dict) -> str:
     lines.append("")
     lines.append("Forward cost c(q) (ms, q new tokens over a 256-token cache): " + ", ".join(
         f"{q}: {ms:.1f}" for q, ms in sorted(curve.items(), key=lambda kv: int(kv[0]))))
+    if result.get("cost_curve_model_kernels_ms"):
+        lines.append("")
+        lines.append("The same with the model's own kernels (no hf_specdec.kernels): " + ", ".join(
+            f"{q}: {ms:.1f}" for q, ms in sorted(result["cost_curve_model_kernels_ms"].items(),
+                                                  key=lambda kv: int(kv[0]))))
     if "memory_check" in result:
         lines.append("")
         lines.append("Memory over consecutive calls (RSS growth over the second half, MB): " + ", ".join(
