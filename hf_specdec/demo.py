@@ -66,6 +66,8 @@ def available_demo_methods(model, eagle3=None, dflash=None, drafter=None) -> dic
         from .entry import _load_eagle3
 
         methods["eagle3"] = {"drafter": _load_eagle3(str(eagle), model)}
+        if model.device.type == "cpu":  # on a CPU a chain of 3 beats the dynamic tree (benchmarks/RESULTS.md)
+            methods["eagle3"]["num_speculative_tokens"] = 3
     dflash = dflash or shipped_drafter(SHIPPED_NAMES["dflash"])
     if dflash is not None:
         from .entry import _load_dflash
@@ -77,6 +79,10 @@ def available_demo_methods(model, eagle3=None, dflash=None, drafter=None) -> dic
 
         methods["assisted"] = {"drafter": load_draft_model(student, model)}
     return methods
+
+
+def _label(name: str, opts: dict) -> str:
+    return f"{name} chain:{opts['num_speculative_tokens']}" if opts.get("num_speculative_tokens") else name
 
 
 def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 1, verbose: bool = True,
@@ -112,7 +118,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
                 rows.append(dict(kind=kind, method=name, new_tokens=n_new, base_s=t_base, spec_s=t_spec,
                                  speedup=t_base / t_spec, tau=out.speculative_stats["acceptance_length"], same=same))
                 if verbose:
-                    print(f"  [{kind:4s}] {name:14s} {n_new:4d} tokens  plain {n_new / t_base:5.1f} tok/s  "
+                    print(f"  [{kind:4s}] {_label(name, opts):16s} {n_new:4d} tokens  plain {n_new / t_base:5.1f} tok/s  "
                           f"{name} {n_new / t_spec:5.1f} tok/s  speedup {t_base / t_spec:4.2f}x  "
                           f"acceptance length {out.speculative_stats['acceptance_length']:.2f}  "
                           f"{'identical' if same else 'MISMATCH'}", flush=True)
@@ -132,8 +138,8 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
             )
     if verbose:
         print()
-        print(f"{'method':14s} {'prompts':8s} {'plain tok/s':>12s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s}  outputs")
+        print(f"{'method':16s} {'prompts':8s} {'plain tok/s':>12s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s}  outputs")
         for (name, kind), s in summary.items():
-            print(f"{name:14s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
+            print(f"{_label(name, chosen[name]):16s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
                   f"{s['speedup']:7.2f}x {s['tau']:10.2f}  {'identical' if s['identical'] else 'MISMATCH'}")
     return summary, rows

@@ -14,7 +14,9 @@ EPYC this project runs on, SmolLM2-135M fp32, 1 thread):
 
 :class:`VerifyKernels` turns both on for the forwards the decoding loop marks as verification (``q >= 2``) and
 leaves every other forward -- the prefill and one-token steps that plain ``generate()`` also runs -- on the
-model's own code path, so speedups are not kernel gains that plain decoding could have had. Which of the two
+model's own code path. Where ``(W @ x.T).T`` over 2 rows beats the one-row path itself (it does on this project's
+CPU), plain decoding could gain from padding its row to two as well: ``benchmarks/kernel_baseline.py`` measures that,
+so that a speedup over stock ``generate()`` can be split into the kernels' share and speculation's. Which of the two
 linear kernels is faster is measured per weight shape and row count while decoding (a few calls each), not
 assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU
 without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
