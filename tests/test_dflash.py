@@ -218,3 +218,25 @@ def test_adaptive_backs_off_from_a_drafter_that_does_not_pay(bsz, monkeypatch):
     assert torch.equal(out.sequences, ref)
     assert out.speculative_stats["proposed_drafts"] == 0
     assert 0 < len(calls) <= 6  # 40 steps: probes after 1, 2, 4, 8, 16 skipped steps
+
+
+def test_adaptive_backs_off_when_drafting_costs_more_than_it_saves(monkeypatch):
+    """Drafts that would be worth verifying for free are not worth it when the drafter's own time is counted."""
+    from hf_specdec.costs import ForwardCostModel
+
+    monkeypatch.setattr(ForwardCostModel, "record", lambda self, q, s: None)
+    monkeypatch.setattr(ForwardCostModel, "calibration_sizes", lambda self, n: [])
+    monkeypatch.setattr(ForwardCostModel, "relative", lambda self, q: 1.0)  # verification is free ...
+    monkeypatch.setattr(ForwardCostModel, "step_seconds", lambda self: 1e-9)  # ... but a drafter call is not
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _drafter(random_weights(scale=0.5))
+    calls = []
+    drafter.register_forward_hook(lambda *a: calls.append(1))
+    ids, mask = prompts(1, 12, seed=1)
+    kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
+                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
+    assert torch.equal(out.sequences, ref)
+    assert out.speculative_stats["proposed_drafts"] > 0  # free verification: it does draft when it runs
+    assert 0 < len(calls) <= 8  # but backs off: 40 steps, probes after 1, 2, 4, 8, 16 skipped steps
