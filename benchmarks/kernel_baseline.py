@@ -20,23 +20,20 @@ import torch.nn.functional as F
 from hf_specdec.bench import data
 from hf_specdec.bench.harness import _encode
 from hf_specdec.default_model import load_smollm2
+from hf_specdec.kernels import _mm_t, plain_cpu_linears
 
 
 def padded_linears(model):
     """Make every plain ``nn.Linear`` compute a single row as two rows of ``(W @ x.T).T``; returns an undo."""
-    patched = []
-    for module in model.modules():
-        if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
-            def forward(x, m=module):
-                k = m.weight.shape[1]
-                if x.numel() != k:
-                    return F.linear(x, m.weight, m.bias)
-                row = x.reshape(1, k)
-                out = torch.mm(m.weight, torch.cat([row, row]).t())[:, :1].t()
-                out = out if m.bias is None else out + m.bias
-                return out.reshape(*x.shape[:-1], m.weight.shape[0])
-            module.forward = forward
-            patched.append(module)
+    patched = plain_cpu_linears(model)
+    for module in patched:
+        def forward(x, m=module):
+            k = m.weight.shape[1]
+            if x.numel() != k:
+                return F.linear(x, m.weight, m.bias)
+            row = x.reshape(1, k)
+            return _mm_t(torch.cat([row, row]), m.weight, m.bias)[:1].reshape(*x.shape[:-1], m.weight.shape[0])
+        module.forward = forward
     return lambda: [m.__dict__.pop("forward", None) for m in patched]
 
 

@@ -16,7 +16,6 @@ Invariants of the loop (per row ``b`` of the batch):
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,7 +261,7 @@ def speculative_decode(
     ``generation_config.return_dict_in_generate`` is set. On the CPU the verification forwards use
     :class:`~hf_specdec.kernels.VerifyKernels` (``HF_SPECDEC_VERIFY_KERNELS=0`` turns them off).
     """
-    with VerifyKernels(model, enabled=os.environ.get("HF_SPECDEC_VERIFY_KERNELS", "1") != "0") as kernels:
+    with VerifyKernels(model) as kernels:
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer,
                        kernels, **model_kwargs)
 

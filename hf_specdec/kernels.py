@@ -27,6 +27,7 @@ where two logits tie to the last bit.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -124,28 +125,26 @@ class VerifyKernels:
 
     Example::
 
-        with VerifyKernels(model) as kernels:
+        with VerifyKernels(model) as kernels:  # HF_SPECDEC_VERIFY_KERNELS=0: off
             with kernels.verifying(4):
                 out = model(input_ids=tokens, attention_mask=mask4d, position_ids=pos, past_key_values=cache)
     """
 
-    def __init__(self, model, enabled: bool = True):
+    def __init__(self, model, enabled: bool | None = None):
         self.model = model
         self.active = False
         self.linears: list[torch.nn.Linear] = []
         self.configs: list = []
+        if enabled is None:
+            enabled = os.environ.get("HF_SPECDEC_VERIFY_KERNELS", "1") != "0"
         self.enabled = enabled and _on_cpu(model)
 
     def __enter__(self) -> "VerifyKernels":
         if not self.enabled:
             return self
-        for module in self.model.modules():
-            if (type(module) is torch.nn.Linear and "forward" not in module.__dict__
-                    and not hasattr(module, "_hf_hook") and module.weight.is_floating_point()
-                    and module.weight.device.type == "cpu" and not module._forward_hooks
-                    and not module._forward_pre_hooks):
-                module.forward = self._linear_forward(module)
-                self.linears.append(module)
+        for module in plain_cpu_linears(self.model):
+            module.forward = self._linear_forward(module)
+            self.linears.append(module)
         if _register():
             seen = set()
             for module in self.model.modules():
@@ -189,6 +188,15 @@ class VerifyKernels:
             _MASK = (None, 0, None)
             for config in self.configs:
                 config._attn_implementation_internal = "sdpa"
+
+
+def plain_cpu_linears(model) -> list[torch.nn.Linear]:
+    """The ``nn.Linear`` modules (exact type) of ``model`` on the CPU with float weights and no hooks or replaced
+    ``forward`` (Accelerate's, a user's): the only ones a kernel may take over."""
+    return [m for m in model.modules()
+            if type(m) is torch.nn.Linear and "forward" not in m.__dict__ and not hasattr(m, "_hf_hook")
+            and m.weight.is_floating_point() and m.weight.device.type == "cpu"
+            and not m._forward_hooks and not m._forward_pre_hooks]
 
 
 def _on_cpu(model) -> bool:

@@ -189,15 +189,11 @@ def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | N
     """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved), fed as
     the decoding loop feeds a verification: a 4D mask, and :class:`~hf_specdec.kernels.VerifyKernels` for q >= 2
     unless ``kernels=False`` (default: on unless ``HF_SPECDEC_VERIFY_KERNELS=0``)."""
-    import os
-
     from transformers import DynamicCache
 
     from ..kernels import VerifyKernels
     from ..tree import build_attention_mask
 
-    if kernels is None:
-        kernels = os.environ.get("HF_SPECDEC_VERIFY_KERNELS", "1") != "0"
     device = model.device
     text_config = model.config.get_text_config()
     vocab = text_config.vocab_size
