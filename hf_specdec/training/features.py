@@ -58,15 +58,25 @@ def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: i
 
 
 class FeatureShards(torch.utils.data.Dataset):
-    """Sequences from cached shards: ``dict(input_ids, loss_mask, features, last)`` per sample."""
+    """Sequences from cached shards: ``dict(input_ids, loss_mask, features, last)`` per sample. Several folders
+    (written with the same taps) read as one dataset, in order."""
 
-    def __init__(self, folder):
-        self.folder = Path(folder)
-        self.meta = json.loads((self.folder / "meta.json").read_text())
+    def __init__(self, folder, *more):
+        folders = [Path(f) for f in (folder, *more)]
+        self.folder = folders[0]
+        metas = [json.loads((f / "meta.json").read_text()) for f in folders]
+        for f, meta in zip(folders[1:], metas[1:]):
+            if (meta["layer_ids"], meta["hidden_size"]) != (metas[0]["layer_ids"], metas[0]["hidden_size"]):
+                raise ValueError(f"{f} holds features of other taps or width ({meta}) than {folders[0]} "
+                                 f"({metas[0]}); build it again with the same target.")
+        self.meta = dict(metas[0], num_samples=sum(m["num_samples"] for m in metas))
         self.index = []
-        self.files = sorted(self.folder.glob("shard_*.safetensors"))
-        if not self.files:
-            raise FileNotFoundError(f"No feature shards in {self.folder}; run the feature caching step first.")
+        self.files = []
+        for f in folders:
+            files = sorted(f.glob("shard_*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"No feature shards in {f}; run the feature caching step first.")
+            self.files += files
         self._cache = {}
         for f, path in enumerate(self.files):
             with safe_open(str(path), "pt") as handle:

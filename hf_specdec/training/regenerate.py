@@ -67,9 +67,13 @@ def stdlib_stubs(root=None) -> list[str]:
 
 
 def recipe_prompts(tokenizer, sharegpt: int = 500, gsm8k: int = 500, code: int = 300,
-                   max_prompt_tokens: int = 256) -> list[tuple[str, str]]:
+                   max_prompt_tokens: int = 256, exclude=()) -> list[tuple[str, str]]:
     """``(source, user prompt)`` pairs: GSM8K, then code, then ShareGPT first turns of 8..``max_prompt_tokens``
-    tokens; seeded, so the same arguments give the same prompts. Prompts use the benchmark's formats."""
+    tokens; seeded, so the same arguments give the same prompts. Prompts use the benchmark's formats.
+
+    The counts say how far down each seeded list to go; prompts in ``exclude`` (texts, e.g. from
+    :func:`answered_prompts` of an earlier file) are then dropped, so a second file can extend a first one with
+    new prompts only (``--gsm8k 1100 --exclude first.json`` gives questions 500..1099 after a first file of 500)."""
     from .data import read_sharegpt
 
     rng = random.Random(0)
@@ -93,7 +97,14 @@ def recipe_prompts(tokenizer, sharegpt: int = 500, gsm8k: int = 500, code: int =
                 taken += 1
                 if taken == sharegpt:
                     break
-    return prompts
+    excluded = set(exclude)
+    return [(source, prompt) for source, prompt in prompts if prompt not in excluded]
+
+
+def answered_prompts(path) -> set[str]:
+    """The user prompts already answered in a ShareGPT-format JSON file written by :func:`regenerate_to_file`."""
+    records = json.loads(Path(path).read_text())
+    return {r["conversations"][0]["value"] for r in records if r.get("conversations")}
 
 
 def greedy_answers(target, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int, skip=(),
