@@ -259,9 +259,10 @@ def speculative_decode(
 
     Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
     ``generation_config.return_dict_in_generate`` is set. On the CPU the verification forwards use
-    :class:`~hf_specdec.kernels.VerifyKernels` (``HF_SPECDEC_VERIFY_KERNELS=0`` turns them off).
+    :class:`~hf_specdec.kernels.VerifyKernels`, and so do all forwards of the proposer's drafter
+    (``HF_SPECDEC_VERIFY_KERNELS=0`` turns them off).
     """
-    with VerifyKernels(model) as kernels:
+    with VerifyKernels(model, drafters=proposer.draft_modules()) as kernels:
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer,
                        kernels, **model_kwargs)
 

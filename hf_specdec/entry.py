@@ -108,13 +108,14 @@ def _build_dflash(target, opts: dict):
 
 
 def _build_eagle3(target, opts: dict):
-    from .proposers.eagle3 import Eagle3Proposer
+    from .proposers.eagle3 import Eagle3Proposer, default_tree
 
     if opts.get("drafter") is None:
         raise ValueError("The 'eagle3' method needs an EAGLE-3 drafter: pass drafter=<Eagle3Drafter, converted "
                          "folder, or a published repo id / folder>.")
     drafter = _load_eagle3(opts["drafter"], target)
-    tree = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts.get(f"tree_{k}") is not None}
+    given = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts.get(f"tree_{k}") is not None}
+    tree = {} if opts.get("num_speculative_tokens") else {**default_tree(target.device), **given}
     return Eagle3Proposer(drafter, num_speculative_tokens=opts.get("num_speculative_tokens"),
                           adaptive=opts.get("draft_length_schedule", "adaptive") != "constant", **tree)
 
@@ -175,6 +176,10 @@ def decoding_method(method, **defaults) -> Callable:
     transformers does not forward ``streamer``/``assistant_model`` to a callable: use the folder form
     (``custom_generate="hf_specdec/<method>"``) for streaming, and ``drafter=`` for the draft model.
     """
+    unknown = sorted(set(defaults) - set(METHOD_KWARGS))
+    if unknown:
+        raise ValueError(f"decoding_method() got unknown method option(s) {', '.join(unknown)}; the options are "
+                         f"{', '.join(METHOD_KWARGS)} (generation settings such as top_k go to generate()).")
     if isinstance(method, Proposer):
         fixed, label = method, method.name
     else:

@@ -63,7 +63,10 @@ class _LinearChoice:
 
 
 def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-    out = torch.mm(weight, x2.t()).t().contiguous()
+    if x2.shape[0] == 1:  # one row: padded to two, which takes the GEMM path instead of GEMV
+        out = torch.mm(weight, x2.expand(2, -1).t())[:, :1].t().contiguous()
+    else:
+        out = torch.mm(weight, x2.t()).t().contiguous()
     return out if bias is None else out + bias
 
 
@@ -123,6 +126,11 @@ class VerifyKernels:
     Inside, :meth:`verifying` marks one forward as a verification of ``q`` tokens per row; the kernels are used
     only there and only when ``q >= 2``. A no-op for models not on the CPU.
 
+    ``drafters``: modules that only drafting runs (an EAGLE-3 / DFlash drafter, a draft model). Their linear layers
+    use the faster of the two products in *every* forward, one-row ones included (padded to two rows): drafting is
+    speculation's own cost, so making it cheaper is not a gain plain decoding is denied. Layers a drafter shares
+    with the target (a student's head) keep the target's rule.
+
     Example::
 
         with VerifyKernels(model) as kernels:  # HF_SPECDEC_VERIFY_KERNELS=0: off
@@ -130,8 +138,9 @@ class VerifyKernels:
                 out = model(input_ids=tokens, attention_mask=mask4d, position_ids=pos, past_key_values=cache)
     """
 
-    def __init__(self, model, enabled: bool | None = None):
+    def __init__(self, model, enabled: bool | None = None, drafters=()):
         self.model = model
+        self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
         self.active = False
         self.linears: list[torch.nn.Linear] = []
         self.configs: list = []
@@ -145,6 +154,10 @@ class VerifyKernels:
         for module in plain_cpu_linears(self.model):
             module.forward = self._linear_forward(module)
             self.linears.append(module)
+        for drafter in self.drafters:
+            for module in plain_cpu_linears(drafter):  # skips the target's (already replaced) shared layers
+                module.forward = self._linear_forward(module, always=True)
+                self.linears.append(module)
         if _register():
             seen = set()
             for module in self.model.modules():
@@ -161,11 +174,13 @@ class VerifyKernels:
         self.linears = []
         self.configs = []
 
-    def _linear_forward(self, module: torch.nn.Linear):
+    def _linear_forward(self, module: torch.nn.Linear, always: bool = False):
+        least = 1 if always else 2
+
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             rows = x.numel() // weight.shape[1] if x.dim() else 0
-            if not self.active or rows < 2 or rows > _MAX_ROWS or x.dtype != weight.dtype:
+            if not (always or self.active) or rows < least or rows > _MAX_ROWS or x.dtype != weight.dtype:
                 return F.linear(x, weight, module.bias)
             out = _CHOICE(x.reshape(rows, weight.shape[1]), weight, module.bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -331,3 +331,48 @@ def test_adaptive_tree_drafts_every_step_when_drafting_is_free(monkeypatch):
     assert torch.equal(out.sequences, ref)
     stats = out.speculative_stats
     assert stats["proposed_drafts"] >= stats["target_forward_passes"] - 2
+
+
+def test_tree_defaults_follow_the_targets_device():
+    """On a CPU the tree defaults to 2 / 3 / 4 (small verifies and few drafter forwards pay there); elsewhere the
+    reference 10 / 7 / 60. Options given explicitly win; a chain has no tree."""
+    from hf_specdec.entry import build_proposer
+    from hf_specdec.proposers.eagle3 import default_tree
+
+    assert default_tree("cuda:0") == {"top_k": 10, "depth": 7, "total_tokens": 60}
+    assert default_tree("cpu") == {"top_k": 2, "depth": 3, "total_tokens": 4}
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle_drafter(target)
+    p = build_proposer("eagle3", target, drafter=drafter)
+    assert (p.top_k, p.depth, p.total_tokens, p.max_nodes, p.chain) == (2, 3, 4, 4, None)
+    p = build_proposer("eagle3", target, drafter=drafter, tree_top_k=5, tree_total_tokens=9)
+    assert (p.top_k, p.depth, p.total_tokens) == (5, 3, 9)
+    p = build_proposer("eagle3", target, drafter=drafter, num_speculative_tokens=3)
+    assert (p.chain, p.max_nodes) == (3, 4)
+
+
+def test_the_loop_gives_the_drafter_the_cpu_kernels(monkeypatch):
+    """The drafter's linears run with the CPU kernels during the call (patched, then restored); output unchanged."""
+    from hf_specdec import engine, kernels
+
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle_drafter(target)
+    seen = []
+    real = kernels.VerifyKernels
+
+    class Spy(real):
+        def __enter__(self):
+            out = super().__enter__()
+            seen.append([m for m in self.linears if any(m is d for d in drafter.modules())])
+            return out
+
+    monkeypatch.setattr(engine, "VerifyKernels", Spy)
+    ids, mask = prompts(2, 12, seed=5)
+    kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    for opts in ({}, {"num_speculative_tokens": 3}):
+        out = target.generate(input_ids=ids, attention_mask=mask, **kw, drafter=drafter, **opts,
+                              custom_generate=hf_specdec.decoding_method("eagle3"))
+        assert torch.equal(out, ref)
+    assert len(seen) == 2 and all(len(s) >= 5 for s in seen)  # fc, q/k/v/o, mlp, lm_head
+    assert all("forward" not in m.__dict__ for m in drafter.modules())

@@ -30,6 +30,12 @@ def test_unknown_method(target):
         hf_specdec.custom_generate_path("nope")
 
 
+def test_unknown_method_option():
+    # a misspelt option must not silently run the method's defaults (the tree options are tree_top_k, ...)
+    with pytest.raises(ValueError, match="unknown method option.*top_k.*tree_top_k"):
+        hf_specdec.decoding_method("eagle3", top_k=2, depth=4)
+
+
 def test_missing_drafter(target):
     with pytest.raises(ValueError, match="assistant_model=.*drafter="):
         target.generate(prompts(1)[0], custom_generate=hf_specdec.custom_generate_path("assisted"),

@@ -45,7 +45,7 @@ def test_packed_attention_falls_back_where_it_does_not_apply():
     torch.testing.assert_close(out, ref)
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
 def test_transposed_product_matches_linear(rows):
     torch.manual_seed(0)
     weight, bias, x = torch.randn(40, 24), torch.randn(40), torch.randn(rows, 24)
@@ -113,3 +113,24 @@ def test_greedy_lossless_with_kernels_forced(arch, forced, monkeypatch):
     assert torch.equal(out, ref)
     assert all("forward" not in mod.__dict__ for mod in m.modules())
     assert (min(calls) >= 2) if arch != "gpt2" else not calls  # only verification forwards, only GQA models
+
+
+def test_drafter_linears_use_the_kernels_in_every_forward(forced):
+    """A drafter's linears take the faster product also for one row (drafting is speculation's own cost); layers it
+    shares with the target keep the target's verification-only rule; everything is restored after the call."""
+    target = tiny_model("llama")
+    drafter = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
+    drafter.append(target.get_output_embeddings())  # shared with the target (a student's head)
+    x = torch.randn(1, 32)
+    with torch.no_grad():
+        ref = drafter[1](drafter[0](x))
+        with VerifyKernels(target, drafters=[drafter, None]) as k:
+            assert drafter[0] in k.linears and drafter[1] in k.linears
+            assert k.linears.count(drafter[2]) == 1  # patched once, as the target's
+            seen = len(kernels._CHOICE.times)
+            out = drafter[1](drafter[0](x))  # outside any verification forward
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            if kernels._CHOICE.force is None:
+                assert len(kernels._CHOICE.times) > seen
+    assert all("forward" not in m.__dict__ for m in drafter.modules())
+

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import DecodingState
     from ..tree import DraftTree
@@ -64,6 +66,12 @@ class Proposer:
     target_hidden_states: list[int] | None = None
     max_nodes: int = 1
     name: str = "proposer"
+
+    def draft_modules(self) -> list:
+        """The modules only drafting runs (default: ``self.drafter`` when it is one); the loop may give their linear
+        layers faster CPU kernels for the call (:class:`~hf_specdec.kernels.VerifyKernels`)."""
+        drafter = getattr(self, "drafter", None)
+        return [drafter] if isinstance(drafter, torch.nn.Module) else []
 
     def prepare(self, model) -> None:
         """Called before the target's prefill: check the proposer fits ``model`` and set ``target_hidden_states``."""

@@ -25,10 +25,24 @@ from ..tree import DraftTree, build_attention_mask
 from .base import BackOff, Proposer
 
 
+# The dynamic tree's defaults per device type of the target: the reference's on accelerators; on a CPU a forward
+# over 5+ tokens costs much more than over 4 and every depth is a drafter forward on the critical path, so a small
+# tree of three drafts (benchmarks/RESULTS.md, "Tree shapes on this CPU").
+TREE_DEFAULTS = {"cpu": {"top_k": 2, "depth": 3, "total_tokens": 4}}
+REFERENCE_TREE = {"top_k": 10, "depth": 7, "total_tokens": 60}
+
+
+def default_tree(device) -> dict:
+    """``top_k`` / ``depth`` / ``total_tokens`` of the dynamic tree for a target on ``device``."""
+    return dict(TREE_DEFAULTS.get(torch.device(device).type, REFERENCE_TREE))
+
+
 class Eagle3Proposer(Proposer):
     """Args:
         drafter: an ``Eagle3Drafter`` (bound to the target in ``prepare``).
-        top_k, depth, total_tokens: the dynamic tree (reference defaults 10 / 7 / 60).
+        top_k, depth, total_tokens: the dynamic tree (reference defaults 10 / 7 / 60; ``generate`` with
+            ``custom_generate="hf_specdec/eagle3"`` uses :func:`default_tree` for the target's device when the
+            ``tree_*`` options are not given: 2 / 3 / 4 on a CPU).
         num_speculative_tokens: draft a chain of this length instead of a tree.
         adaptive: verify only as many of the best ``total_tokens - 1`` nodes as pay for their cost (the loop's
             measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
