@@ -14,9 +14,11 @@ EPYC this project runs on, SmolLM2-135M fp32, 1 thread):
 
 :class:`VerifyKernels` turns both on for the forwards the decoding loop marks as verification (``q >= 2``) and
 leaves every other forward -- the prefill and one-token steps that plain ``generate()`` also runs -- on the
-model's own code path. Where ``(W @ x.T).T`` over 2 rows beats the one-row path itself (it does on this project's
-CPU), plain decoding could gain from padding its row to two as well: ``benchmarks/kernel_baseline.py`` measures that,
-so that a speedup over stock ``generate()`` can be split into the kernels' share and speculation's. Which of the two
+model's own code path. A drafter's linear layers (an EAGLE-3 / DFlash drafter, a draft model: modules only drafting
+runs) take the faster product in all their forwards, one-row ones padded to two. Where ``(W @ x.T).T`` over 2 rows
+beats the one-row path itself (it does on this project's CPU), plain decoding could gain from padding its row to
+two as well: ``benchmarks/kernel_baseline.py`` measures that, so that a speedup over stock ``generate()`` can be
+split into the kernels' share and speculation's. Which of the two
 linear kernels is faster is measured per weight shape and row count while decoding (a few calls each), not
 assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU
 without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
@@ -64,7 +66,7 @@ class _LinearChoice:
 
 def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     if x2.shape[0] == 1:  # one row: padded to two, which takes the GEMM path instead of GEMV
-        out = torch.mm(weight, x2.expand(2, -1).t())[:, :1].t().contiguous()
+        out = torch.mm(weight, torch.cat([x2, x2]).t())[:, :1].t().contiguous()
     else:
         out = torch.mm(weight, x2.t()).t().contiguous()
     return out if bias is None else out + bias
