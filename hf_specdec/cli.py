@@ -243,15 +243,15 @@ def _train(args) -> int:
     for path in data or ():
         if not Path(path).is_file():
             raise SystemExit(f"--data: {path!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
-    features = args.features.split(",") if args.features and "," in args.features else args.features
-    if data and len(data) > 1 and (not isinstance(features, list) or len(features) != len(data)):
+    features = args.features.split(",") if args.features else None
+    if data and len(data) > 1 and len(features or ()) != len(data):
         raise SystemExit(f"--data names {len(data)} files: give as many --features folders, comma-separated.")
     model, tok = _load_model(args.target, "float32", "cpu" if not _cuda() else "cuda")
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
-                  data_path=data if data is None or len(data) > 1 else data[0], init_from=args.init_from)
+                  data_path=data, init_from=args.init_from)
     if args.method == "eagle3":
         _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
     elif args.method == "dflash":

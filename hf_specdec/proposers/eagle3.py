@@ -27,7 +27,7 @@ from .base import BackOff, Proposer
 
 # The dynamic tree's defaults per device type of the target: the reference's on accelerators; on a CPU a forward
 # over 5+ tokens costs much more than over 4 and every depth is a drafter forward on the critical path, so a small
-# tree of three drafts (benchmarks/RESULTS.md, "Tree shapes on this CPU").
+# tree of three drafts (benchmarks/RESULTS.md, "τ per tree shape").
 TREE_DEFAULTS = {"cpu": {"top_k": 2, "depth": 3, "total_tokens": 4}}
 REFERENCE_TREE = {"top_k": 10, "depth": 7, "total_tokens": 60}
 
@@ -53,7 +53,8 @@ class Eagle3Proposer(Proposer):
 
     name = "eagle3"
 
-    def __init__(self, drafter, top_k: int = 10, depth: int = 7, total_tokens: int = 60,
+    def __init__(self, drafter, top_k: int = REFERENCE_TREE["top_k"], depth: int = REFERENCE_TREE["depth"],
+                 total_tokens: int = REFERENCE_TREE["total_tokens"],
                  num_speculative_tokens: int | None = None, adaptive: bool = True):
         if num_speculative_tokens is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}.")

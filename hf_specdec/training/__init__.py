@@ -51,10 +51,8 @@ def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_
     layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
     out = Path(out_dir)
     paths = list(data_path) if isinstance(data_path, (list, tuple)) else [data_path]
-    if isinstance(features_dir, (list, tuple)):
-        folders = [Path(f) for f in features_dir]
-    else:
-        folders = [Path(features_dir) if features_dir else out / "features"]
+    folders = features_dir if isinstance(features_dir, (list, tuple)) else [features_dir or out / "features"]
+    folders = [Path(f) for f in folders]
     if len(folders) != len(paths):
         raise ValueError(f"{len(paths)} data files need as many feature folders, got {len(folders)}.")
     for path, folder in zip(paths, folders):
