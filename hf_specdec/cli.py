@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--dflash", default=None, help="DFlash drafter (converted or published) for 'dflash' methods "
                                                    "(default for the default model: the shipped one)")
     p.add_argument("--methods", default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
-                   help="comma-separated: prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, "
+                   help="comma-separated: plain_kernels (plain decoding with the loop's CPU kernel trick: adds a "
+                        "'vs plain_kernels' column), prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, "
                         "eagle3[:TOPK-DEPTH-TOTAL], eagle3_chain:K, dflash[:B], dflash_fixed[:B] (plain generate() always "
                         "runs as the baseline)")
     p.add_argument("--datasets", default="mtbench,humaneval,gsm8k,copy")

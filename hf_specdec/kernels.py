@@ -17,8 +17,9 @@ leaves every other forward -- the prefill and one-token steps that plain ``gener
 model's own code path. A drafter's linear layers (an EAGLE-3 / DFlash drafter, a draft model: modules only drafting
 runs) take the faster product in all their forwards, one-row ones padded to two. Where ``(W @ x.T).T`` over 2 rows
 beats the one-row path itself (it does on this project's CPU), plain decoding could gain from padding its row to
-two as well: ``benchmarks/kernel_baseline.py`` measures that, so that a speedup over stock ``generate()`` can be
-split into the kernels' share and speculation's. Which of the two
+two as well: :func:`padded_plain_decoding` does exactly that for plain ``generate()``, and the benchmark runs it as
+the method ``plain_kernels`` next to the others, so that a speedup over stock ``generate()`` can be split into the
+kernels' share and speculation's. Which of the two
 linear kernels is faster is measured per weight shape and row count while decoding (a few calls each), not
 assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU
 without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
@@ -221,3 +222,33 @@ def _on_cpu(model) -> bool:
         return next(model.parameters()).device.type == "cpu"
     except StopIteration:
         return False
+
+
+@contextlib.contextmanager
+def padded_plain_decoding(model):
+    """Plain decoding with the drafters' CPU product: inside, every plain ``nn.Linear`` of ``model`` computes a
+    single row as two rows of ``(W @ x.T).T`` (the copy is dropped); other inputs keep ``F.linear``.
+
+    This is the kernel-matched baseline of the benchmark (method ``plain_kernels``): the speed plain greedy
+    ``generate()`` would have if it took the same kernel trick the speculative loop takes. Dividing a speedup over
+    stock ``generate()`` by this one's gives speculation's own share.
+
+    Example::
+
+        with padded_plain_decoding(model):
+            out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+    """
+    patched = plain_cpu_linears(model)
+    for module in patched:
+        def forward(x: torch.Tensor, m=module) -> torch.Tensor:
+            k = m.weight.shape[1]
+            if x.numel() != k or x.dtype != m.weight.dtype:
+                return F.linear(x, m.weight, m.bias)
+            out = _mm_t(x.reshape(1, k), m.weight, m.bias)  # one row: padded to two inside
+            return out.reshape(*x.shape[:-1], m.weight.shape[0])
+        module.forward = forward
+    try:
+        yield model
+    finally:
+        for module in patched:
+            module.__dict__.pop("forward", None)

@@ -93,3 +93,18 @@ def test_bench_batched(tmp_path):
     result = run_bench(model, tok, methods, ["mtbench"], limit=4, max_new_tokens=6, batch_size=2, progress=False)
     assert all(r["mismatches"] == 0 for r in result["summary"])
     assert {r["prompts"] for r in result["summary"]} == {2}
+
+
+def test_bench_kernel_matched_baseline():
+    """'plain_kernels' is plain greedy decoding with the loop's CPU kernel trick: same tokens as plain decoding, its
+    patch undone after every call, and every method gets its speedup over it in the same run."""
+    model = tiny_model("llama")
+    tok = _chat_tokenizer()
+    methods = build_methods(["plain_kernels", "prompt_lookup"])
+    result = run_bench(model, tok, methods, ["gsm8k"], limit=2, max_new_tokens=6, progress=False)
+    rows = {r["method"]: r for r in result["summary"]}
+    assert set(rows) == {"plain", "plain_kernels", "prompt_lookup"}
+    assert all(r["mismatches"] == 0 for r in rows.values())
+    assert all(r["speedup_vs_kernels"] > 0 for r in rows.values())
+    assert "vs plain_kernels" in markdown(result) and "| gsm8k | prompt_lookup |" in markdown(result)
+    assert not any("forward" in m.__dict__ for m in model.modules())

@@ -134,3 +134,18 @@ def test_drafter_linears_use_the_kernels_in_every_forward(forced):
                 assert len(kernels._CHOICE.times) > seen
     assert all("forward" not in m.__dict__ for m in drafter.modules())
 
+
+
+def test_padded_plain_decoding_is_plain_decoding():
+    """The kernel-matched baseline computes one row as two rows of (W @ x.T).T: the same greedy tokens as the
+    model's own kernels, on for the block only."""
+    from hf_specdec.kernels import padded_plain_decoding
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 3, 17, 2]])
+    plain = model.generate(ids, max_new_tokens=10, do_sample=False)
+    with padded_plain_decoding(model):
+        assert any("forward" in m.__dict__ for m in model.modules())
+        padded = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(plain, padded)
+    assert not any("forward" in m.__dict__ for m in model.modules())

@@ -8,7 +8,10 @@ The *ceiling* of a run is the speedup its forwards would give with zero overhead
 a target forward over ``q`` new tokens (in one-token steps), a run that committed ``n`` tokens after the prefill
 in forwards of sizes ``q_1..q_s`` could at best be ``n / sum_i c(q_i)`` times faster than plain decoding.
 ``efficiency = achieved decode speedup / ceiling``. The oracle proposer (drafts = the baseline's own output)
-measures what the engine itself costs.
+measures what the engine itself costs. On a CPU, ``plain_kernels`` is plain greedy ``generate()`` with the kernel
+trick the speculative loop uses (one row computed as two through ``(W @ x.T).T``,
+:func:`hf_specdec.kernels.padded_plain_decoding`): when it runs, every method also gets ``speedup_vs_kernels``,
+its speedup over that kernel-matched baseline on the same prompts, i.e. speculation's own share.
 
 JSON schema (``schema: "hf_specdec.bench/1"``):
 
@@ -23,12 +26,14 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
   CUDA), ``peak_abs_mb`` (absolute peak) and ``stats`` (hf_specdec's ``speculative_stats``, when available)
 * ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
   efficiency, draft_share, loop_overhead (time outside the target's forwards and the drafting per target forward,
-  relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches``
+  relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches`` and, when ``plain_kernels`` ran,
+  ``speedup_vs_kernels`` (median per-prompt ratio against it)
 * ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -42,6 +47,7 @@ from pathlib import Path
 import torch
 
 from ..entry import decoding_method
+from ..kernels import padded_plain_decoding
 from .data import DATASETS, load
 from .oracle import OracleProposer
 
@@ -133,10 +139,11 @@ class Method:
     kwargs: dict = field(default_factory=dict)
     oracle_k: int | None = None
     hf_specdec: bool = False  # returns speculative_stats
+    context: object = None  # a context manager factory ``f(model)`` around its generate call
 
 
 def build_methods(names: list[str], drafter=None, eagle3=None, dflash=None) -> list[Method]:
-    """Method names: plain, prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, eagle3[:TOPK-DEPTH-
+    """Method names: plain, plain_kernels (plain greedy decoding with the loop's CPU kernel trick), prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, eagle3[:TOPK-DEPTH-
     TOTAL] (dynamic tree), eagle3_chain:K, dflash[:B] (B = drafted block size; adaptive draft length when omitted),
     dflash_fixed[:B] (always the whole block). ``drafter`` is the draft model of the assisted methods, ``eagle3`` an
     EAGLE-3 drafter, ``dflash`` a DFlash drafter."""
@@ -145,6 +152,9 @@ def build_methods(names: list[str], drafter=None, eagle3=None, dflash=None) -> l
         base, _, arg = name.partition(":")
         if base == "plain":
             continue  # always run as the baseline
+        if base == "plain_kernels":
+            methods.append(Method(name, context=padded_plain_decoding))
+            continue
         if base == "prompt_lookup":
             methods.append(Method(name, {"custom_generate": decoding_method("prompt_lookup")}, hf_specdec=True))
         elif base == "assisted":
@@ -271,7 +281,8 @@ def run_bench(model, tokenizer, methods: list[Method], datasets: list[str], limi
         start_mem = _reset_peak(device)
         sync()
         t0 = time.perf_counter()
-        out = model.generate(**enc, **kwargs)
+        with (method.context(model) if method is not None and method.context else contextlib.nullcontext()):
+            out = model.generate(**enc, **kwargs)
         sync()
         seconds = time.perf_counter() - t0
         peak = _peak_since(device, start_mem)  # (delta, absolute)
@@ -425,13 +436,19 @@ def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                 peak_abs_mb=max(r["peak_abs_mb"] for r in mine),
                 mismatches=sum(not r["identical"] for r in mine),
             ))
+            kernel_pairs = [(g["plain_kernels"], g[m]) for (d, _), g in by_prompt.items()
+                            if d == ds and m in g and "plain_kernels" in g]
+            if kernel_pairs:
+                rows[-1]["speedup_vs_kernels"] = statistics.median(k["seconds"] / r["seconds"] for k, r in kernel_pairs)
     return rows
 
 
 def markdown(result: dict) -> str:
-    lines = ["| dataset | method | prompts | τ | tok/s | speedup (median) | speedup (total) | ceiling | efficiency "
-             "| draft share | loop overhead | peak +MB | peak MB | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    kernels = any("speedup_vs_kernels" in r for r in result["summary"])
+    lines = ["| dataset | method | prompts | τ | tok/s | speedup (median) | speedup (total) | "
+             + ("vs plain_kernels (median) | " if kernels else "")
+             + "ceiling | efficiency | draft share | loop overhead | peak +MB | peak MB | mismatches |",
+             "|" + "---|" * (15 if kernels else 14)]
 
     def f(x, fmt):
         return "–" if x is None else format(x, fmt)
@@ -439,7 +456,9 @@ def markdown(result: dict) -> str:
     for r in result["summary"]:
         lines.append(
             f"| {r['dataset']} | {r['method']} | {r['prompts']} | {f(r['tau'], '.2f')} | {r['tokens_per_s']:.1f} "
-            f"| {r['speedup_median']:.2f}x | {r['speedup_total']:.2f}x | {f(r['ceiling'], '.2f')} "
+            f"| {r['speedup_median']:.2f}x | {r['speedup_total']:.2f}x "
+            + (f"| {f(r.get('speedup_vs_kernels'), '.2f')}{'x' if 'speedup_vs_kernels' in r else ''} " if kernels else "")
+            + f"| {f(r['ceiling'], '.2f')} "
             f"| {f(r['efficiency'], '.2f')} | {r['draft_share']:.1%} | {f(r['loop_overhead'], '.1%')} "
             f"| {r['peak_mem_mb']:.0f} | {r['peak_abs_mb']:.0f} | {r['mismatches']} |")
     curve = result["cost_curve_ms"]
