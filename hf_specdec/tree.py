@@ -52,12 +52,17 @@ class DraftTree:
               num_drafts: torch.LongTensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A chain per row: ``root [B]``, ``drafts [B, k]`` of which the first ``num_drafts[b]`` are real.
 
-        ``draft_probs`` (optional) is ``[B, k, V]``: the distribution each draft was sampled from.
+        ``draft_probs`` (optional) is ``[B, k, V]``: the distribution each draft was sampled from. Drafts past the
+        longest row's ``num_drafts`` are cut off: the verification forward then scores only what some row keeps.
         """
         bsz = root.shape[0]
         device = root.device
         if drafts is None:
             drafts = root.new_zeros((bsz, 0))
+        if num_drafts is not None and bsz and drafts.shape[1] > int(num_drafts.max()):
+            longest = max(int(num_drafts.max()), 0)
+            drafts = drafts[:, :longest]
+            draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
         k = drafts.shape[1]
         tokens = torch.cat([root[:, None], drafts], dim=1)
         parents = (torch.arange(k + 1, device=device) - 1).expand(bsz, k + 1)

@@ -57,9 +57,13 @@ def test_tree_structure():
     anc = tree.ancestors[0]
     assert anc[6].nonzero().flatten().tolist() == [0, 1, 4, 6]
     assert anc[5].nonzero().flatten().tolist() == [0, 2, 5]
-    chain = DraftTree.chain(torch.tensor([1]), torch.tensor([[7, 8, 9]]), torch.tensor([2]))
-    assert chain.valid.tolist() == [[True, True, True, False]]
-    assert chain.ancestors[0, 2].tolist() == [True, True, True, False]
+    chain = DraftTree.chain(torch.tensor([1, 2]), torch.tensor([[7, 8, 9], [4, 5, 6]]), torch.tensor([2, 1]))
+    assert chain.valid.tolist() == [[True, True, True], [True, True, False]]  # past the longest row: cut off
+    assert chain.tokens.tolist() == [[1, 7, 8], [2, 4, 5]]
+    assert chain.ancestors[0, 2].tolist() == [True, True, True]
+    probs = torch.rand(2, 3, 11)
+    assert torch.equal(DraftTree.chain(torch.tensor([1, 2]), torch.tensor([[7, 8, 9], [4, 5, 6]]),
+                                       torch.tensor([1, 0]), probs).draft_probs[:, 1:], probs[:, :1])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt2"])
@@ -121,3 +125,22 @@ def test_keep_accepted_path_then_continue(static):
             extra = torch.cat([tree.tokens[b:b + 1, p[1:]], nxt[b:b + 1]], dim=1)
             ref = _linear_logits(model, ids[b:b + 1], mask[b:b + 1], extra)
             torch.testing.assert_close(logits[b], ref[0], atol=2e-4, rtol=1e-4)
+
+
+def test_cost_model_keeps_verifications_cheaper_than_a_step():
+    """Measured costs are not floored at one step: where a 2-token verification (CPU kernels) is cheaper than the
+    model's own one-token step, the draft-length rule drafts even with a low acceptance rate."""
+    from hf_specdec.costs import ForwardCostModel, best_draft_length
+
+    cost = ForwardCostModel("cpu")
+    cost.record(1, 0.068)
+    cost.record(2, 0.045)
+    cost.record(4, 0.053)
+    assert cost.relative(2) == pytest.approx(0.045 / 0.068)
+    assert cost.relative(3) < 0.8  # interpolated between measured sizes
+    assert best_draft_length(0.05, 3, cost) == 1
+    assert best_draft_length(0.05, 3, cost, draft_cost=0.5) == 0  # the drafter's own time still counts
+    slow = ForwardCostModel("cpu")
+    slow.record(1, 0.05)
+    slow.record(2, 0.08)
+    assert best_draft_length(0.05, 3, slow) == 0
