@@ -259,8 +259,8 @@ def speculative_decode(
 
     Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
     ``generation_config.return_dict_in_generate`` is set. On the CPU the verification forwards use
-    :class:`~hf_specdec.kernels.VerifyKernels`, and so do all forwards of the proposer's drafter
-    (``HF_SPECDEC_VERIFY_KERNELS=0`` turns them off).
+    :class:`~hf_specdec.kernels.VerifyKernels`, and so do all forwards of the proposer's drafter and every
+    product inside a proposal (``HF_SPECDEC_VERIFY_KERNELS=0`` turns them off).
     """
     with VerifyKernels(model, drafters=proposer.draft_modules()) as kernels:
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, streamer,
@@ -388,7 +388,8 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
             for b in range(bsz)
         ]
         t0 = time.perf_counter()
-        tree = proposer.propose(state) if any(state.max_drafts) else None
+        with kernels.drafting():
+            tree = proposer.propose(state) if any(state.max_drafts) else None
         if tree is None:
             tree = DraftTree.chain(state.roots())
         stats.draft_seconds += time.perf_counter() - t0

@@ -132,7 +132,8 @@ class VerifyKernels:
     ``drafters``: modules that only drafting runs (an EAGLE-3 / DFlash drafter, a draft model). Their linear layers
     use the faster of the two products in *every* forward, one-row ones included (padded to two rows): drafting is
     speculation's own cost, so making it cheaper is not a gain plain decoding is denied. Layers a drafter shares
-    with the target (a student's head) keep the target's rule.
+    with the target (DFlash's use of the target's LM head, a student's head) take it only inside :meth:`drafting`,
+    which the loop wraps around every proposal; the target's own forwards keep the rule above.
 
     Example::
 
@@ -145,6 +146,7 @@ class VerifyKernels:
         self.model = model
         self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
         self.active = False
+        self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
         self.configs: list = []
         if enabled is None:
@@ -178,16 +180,29 @@ class VerifyKernels:
         self.configs = []
 
     def _linear_forward(self, module: torch.nn.Linear, always: bool = False):
-        least = 1 if always else 2
-
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
             rows = x.numel() // weight.shape[1] if x.dim() else 0
-            if not (always or self.active) or rows < least or rows > _MAX_ROWS or x.dtype != weight.dtype:
+            any_rows = always or self.drafting_now  # drafting: one row too (padded to two)
+            if (not (any_rows or self.active) or rows < (1 if any_rows else 2) or rows > _MAX_ROWS
+                    or x.dtype != weight.dtype):
                 return F.linear(x, weight, module.bias)
             out = _CHOICE(x.reshape(rows, weight.shape[1]), weight, module.bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         return forward
+
+    @contextlib.contextmanager
+    def drafting(self):
+        """Inside, every patched linear layer (the target's too: a drafter may borrow its head) is drafting cost and
+        takes the faster product for any row count."""
+        if not self.linears:
+            yield
+            return
+        self.drafting_now = True
+        try:
+            yield
+        finally:
+            self.drafting_now = False
 
     @contextlib.contextmanager
     def verifying(self, tokens_per_row: int):

@@ -240,3 +240,30 @@ def test_adaptive_backs_off_when_drafting_costs_more_than_it_saves(monkeypatch):
     assert torch.equal(out.sequences, ref)
     assert out.speculative_stats["proposed_drafts"] > 0  # free verification: it does draft when it runs
     assert 0 < len(calls) <= 8  # but backs off: 40 steps, probes after 1, 2, 4, 8, 16 skipped steps
+
+
+def test_adaptive_scores_only_the_block_positions_it_may_keep(monkeypatch):
+    """The target's LM head scores the first HEAD_FIRST block positions, the rest only while a draft there could
+    still be kept; the constant schedule scores the whole block. Output is plain greedy decoding either way."""
+    from hf_specdec.proposers.dflash import DFlashProposer
+
+    target = _target()
+    drafter = _drafter(random_weights(scale=0.5))
+    drafter.config.block_size = 8
+    with torch.no_grad():
+        drafter.norm.weight.zero_()  # flat draft distributions: no draft is likely
+    widths = []
+    head = DFlashDrafter.draft_logits
+    monkeypatch.setattr(DFlashDrafter, "draft_logits", lambda self, h: widths.append(h.shape[1]) or head(self, h))
+    ids, mask = prompts(1, 12, seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    ref = target.generate(**kw)
+    for options, expect in (({}, {DFlashProposer.HEAD_FIRST}), ({"draft_length_schedule": "constant"}, {7})):
+        widths.clear()
+        out = target.generate(**kw, custom_generate=hf_specdec.decoding_method("dflash", **options), drafter=drafter)
+        assert torch.equal(out, ref)
+        assert widths and max(widths) == max(expect)
+    monkeypatch.setattr(DFlashProposer, "HEAD_MORE", 0.0)  # every draft counts as likely: the rest is scored too
+    widths.clear()
+    out = target.generate(**kw, custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
+    assert torch.equal(out, ref) and widths[:2] == [4, 3]

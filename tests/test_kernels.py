@@ -115,9 +115,10 @@ def test_greedy_lossless_with_kernels_forced(arch, forced, monkeypatch):
     assert (min(calls) >= 2) if arch != "gpt2" else not calls  # only verification forwards, only GQA models
 
 
-def test_drafter_linears_use_the_kernels_in_every_forward(forced):
+def test_drafter_linears_use_the_kernels_in_every_forward(forced, monkeypatch):
     """A drafter's linears take the faster product also for one row (drafting is speculation's own cost); layers it
-    shares with the target keep the target's verification-only rule; everything is restored after the call."""
+    shares with the target keep the target's verification-only rule except inside a proposal (``drafting``);
+    everything is restored after the call."""
     target = tiny_model("llama")
     drafter = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
     drafter.append(target.get_output_embeddings())  # shared with the target (a student's head)
@@ -132,6 +133,15 @@ def test_drafter_linears_use_the_kernels_in_every_forward(forced):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
             if kernels._CHOICE.force is None:
                 assert len(kernels._CHOICE.times) > seen
+            h = torch.randn(3, target.config.hidden_size)
+            calls = []
+            choice = kernels._CHOICE
+            monkeypatch.setattr(kernels, "_CHOICE", lambda *a: calls.append(1) or choice(*a))
+            drafter[2](h)  # the shared head outside a proposal: the target's rule (F.linear)
+            assert not calls
+            with k.drafting():  # inside a proposal it is drafting cost
+                torch.testing.assert_close(drafter[2](h), F.linear(h, drafter[2].weight), rtol=1e-5, atol=1e-5)
+            assert calls
     assert all("forward" not in m.__dict__ for m in drafter.modules())
 
 
