@@ -241,8 +241,9 @@ def _on_cpu(model) -> bool:
 
 @contextlib.contextmanager
 def padded_plain_decoding(model):
-    """Plain decoding with the drafters' CPU product: inside, every plain ``nn.Linear`` of ``model`` computes a
-    single row as two rows of ``(W @ x.T).T`` (the copy is dropped); other inputs keep ``F.linear``.
+    """Plain decoding with the loop's CPU product: inside, every plain ``nn.Linear`` of ``model`` takes the faster
+    of ``F.linear`` and ``(W @ x.T).T`` for any row count, one row padded to two -- what a drafter's layers get in
+    :class:`VerifyKernels` (its :meth:`~VerifyKernels.drafting` rule, here for every forward of ``model``).
 
     This is the kernel-matched baseline of the benchmark (method ``plain_kernels``): the speed plain greedy
     ``generate()`` would have if it took the same kernel trick the speculative loop takes. Dividing a speedup over
@@ -253,17 +254,6 @@ def padded_plain_decoding(model):
         with padded_plain_decoding(model):
             out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
     """
-    patched = plain_cpu_linears(model)
-    for module in patched:
-        def forward(x: torch.Tensor, m=module) -> torch.Tensor:
-            k = m.weight.shape[1]
-            if x.numel() != k or x.dtype != m.weight.dtype:
-                return F.linear(x, m.weight, m.bias)
-            out = _mm_t(x.reshape(1, k), m.weight, m.bias)  # one row: padded to two inside
-            return out.reshape(*x.shape[:-1], m.weight.shape[0])
-        module.forward = forward
-    try:
+    kernels = VerifyKernels(model)
+    with kernels, kernels.drafting():
         yield model
-    finally:
-        for module in patched:
-            module.__dict__.pop("forward", None)

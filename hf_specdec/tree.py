@@ -59,8 +59,8 @@ class DraftTree:
         device = root.device
         if drafts is None:
             drafts = root.new_zeros((bsz, 0))
-        if num_drafts is not None and bsz and drafts.shape[1] > int(num_drafts.max()):
-            longest = max(int(num_drafts.max()), 0)
+        longest = int(num_drafts.max()) if num_drafts is not None and bsz else drafts.shape[1]
+        if drafts.shape[1] > longest:
             drafts = drafts[:, :longest]
             draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
         k = drafts.shape[1]
