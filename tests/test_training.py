@@ -105,6 +105,26 @@ def test_train_draft_student(tmp_path, tok, conversations):
     assert torch.equal(out, ref)
 
 
+def test_distillation_loss_scores_only_trained_positions():
+    """Scoring only the positions under the loss mask gives the same loss as scoring every position."""
+    target = tiny_model("llama", layers=2, hidden=32)
+    student = training._student_from_layers(target, 1)
+    head = target.get_output_embeddings().weight.detach()
+    ids = torch.randint(0, head.shape[0], (2, 12))
+    loss_mask = torch.zeros(2, 12, dtype=torch.uint8)
+    loss_mask[0, 5:], loss_mask[1, 8:11] = 1, 1
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[1, 11:] = False
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "valid": valid, "last": torch.randn(2, 12, 32)}
+    loss, metrics = training.distillation_loss(student, head, batch)
+    logq = torch.log_softmax(student(input_ids=ids, attention_mask=valid.long()).logits[:, :-1].float(), -1)
+    p = torch.softmax(batch["last"][:, :-1] @ head.T, -1)
+    mask = (valid & loss_mask.bool())[:, 1:]
+    kl = (p * (p.log() - logq)).sum(-1)
+    torch.testing.assert_close(loss, kl[mask].mean(), rtol=1e-5, atol=1e-6)
+    assert 0.0 <= metrics["acc0"] <= 1.0
+
+
 def test_ttt_loss_shapes():
     from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
 

@@ -174,12 +174,17 @@ def train_dflash(target, tokenizer, out_dir, layers: int = 3, block_size: int = 
 
 
 def distillation_loss(student, target_head: torch.Tensor, batch: dict, temperature: float = 1.0):
-    """KL(target || student) of the next-token distributions on loss-masked positions (teacher forcing)."""
+    """KL(target || student) of the next-token distributions on loss-masked positions (teacher forcing).
+
+    Only the positions some row is trained on are scored (``logits_to_keep``): the LM head over the whole vocabulary
+    is most of a student's cost, and prompts and padding carry no loss."""
     ids = batch["input_ids"].long()
     mask = (batch["valid"] & batch["loss_mask"].bool())[:, 1:]
-    logits = student(input_ids=ids, attention_mask=batch["valid"].long()).logits[:, :-1].float()
+    keep = mask.any(0).nonzero().squeeze(1)  # positions (of the inputs) whose next token some row learns
+    mask = mask[:, keep]
+    logits = student(input_ids=ids, attention_mask=batch["valid"].long(), logits_to_keep=keep).logits.float()
     with torch.no_grad():
-        teacher = (batch["last"][:, :-1].to(target_head.dtype) @ target_head.T).float()
+        teacher = (batch["last"][:, keep].to(target_head.dtype) @ target_head.T).float()
         p = torch.softmax(teacher / temperature, dim=-1)
     logq = torch.log_softmax(logits / temperature, dim=-1)
     per_pos = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
