@@ -88,18 +88,18 @@ def ttt_loss(drafter, target_head: torch.Tensor, batch: dict, steps: int = 7, de
         out = out.transpose(1, 2).reshape(bsz, length, attn.num_heads * attn.head_dim)
         hidden = residual + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        logits = drafter.lm_head(drafter.norm(hidden)).float()
-        # row t at step j predicts x_{t+2+j}: the target's distribution at position t+1+j
-        p = _shift(target_p, 1 + j)
+        # row t at step j predicts x_{t+2+j}: the target's distribution at position t+1+j; the head scores only the
+        # rows under the loss (about half of a padded batch), the draft head being about half of a step's cost
         mask = _shift(valid, 2 + j) & _shift(batch["valid"], 1 + j) & _shift(full_argmax_in_draft, 1 + j)
+        logits = drafter.lm_head(drafter.norm(hidden[mask])).float()
+        p = _shift(target_p, 1 + j)[mask]
         logq = F.log_softmax(logits, dim=-1)
-        per_pos = -(p * logq).sum(-1)
         count = mask.sum().clamp(min=1)
-        step_loss = (per_pos * mask).sum() / count
+        step_loss = -(p * logq).sum() / count
         total = total + (decay ** j) * step_loss
         weight_sum += decay ** j
         with torch.no_grad():
-            acc = ((logits.argmax(-1) == p.argmax(-1)) & mask).sum() / count
+            acc = (logits.argmax(-1) == p.argmax(-1)).sum() / count
         metrics[f"acc{j}"] = float(acc)
         metrics[f"loss{j}"] = float(step_loss.detach())
     return total, metrics
