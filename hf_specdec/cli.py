@@ -174,7 +174,8 @@ def main(argv=None) -> int:
                         "comma-separated")
     p.add_argument("--samples", type=int, default=1500, help="conversations")
     p.add_argument("--max-length", type=int, default=384, help="tokens per conversation")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3: draft vocabulary size")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3 and draft: draft vocabulary size "
+                   "(draft: the tokens the student may draft; 0: all)")
     p.add_argument("--regenerate", type=int, default=0, metavar="N",
                    help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (draft: 4, dflash: 3)")
@@ -259,7 +260,8 @@ def _train(args) -> int:
         _, metrics = training.train_dflash(model, tok, args.out, layers=args.layers or 3, block_size=args.block_size,
                                            num_anchors=args.num_anchors, **common)
     else:
-        _, metrics = training.train_draft(model, tok, args.out, layers=args.layers or 4, **common)
+        _, metrics = training.train_draft(model, tok, args.out, layers=args.layers or 4, draft_vocab=args.draft_vocab,
+                                          **common)
     print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
 

@@ -4,6 +4,8 @@ A distilled student keeps the target's (frozen) embeddings and head, which for a
 (SmolLM2-135M: 28 M of the student's 42 M parameters). :func:`save_draft_model` therefore stores only the student's
 own weights and marks the config with ``hf_specdec_shares_target_embeddings``; :func:`load_draft_model` rebuilds the
 full model from the target it will serve. Folders without the mark load as ordinary ``from_pretrained`` models.
+A student may also carry a draft vocabulary (the most frequent target tokens of its training data, key
+``hf_specdec_draft_vocab``): the ``assisted`` method then scores only those tokens with its head.
 
 Example::
 
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 SHARED_FLAG = "hf_specdec_shares_target_embeddings"
+VOCAB_KEY = "hf_specdec_draft_vocab"  # target token ids the student drafts (a model attribute once loaded)
 WEIGHTS = "model.safetensors"
 
 
@@ -34,8 +37,10 @@ def _shared_keys(model) -> set[str]:
     return keys
 
 
-def save_draft_model(model, folder, dtype=torch.float16, tokenizer=None) -> None:
-    """Save ``model`` without its embeddings/head (they are the target's) in ``dtype`` safetensors + config."""
+def save_draft_model(model, folder, dtype=torch.float16, tokenizer=None, draft_vocab=None) -> None:
+    """Save ``model`` without its embeddings/head (they are the target's) in ``dtype`` safetensors + config;
+    ``draft_vocab``: target token ids the ``assisted`` method should draft from (default: the model's own
+    ``hf_specdec_draft_vocab``, if any)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -43,6 +48,10 @@ def save_draft_model(model, folder, dtype=torch.float16, tokenizer=None) -> None
     shared = _shared_keys(model)
     state = {k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous()
              for k, v in model.state_dict().items() if k not in shared}
+    if draft_vocab is None:
+        draft_vocab = getattr(model, VOCAB_KEY, None)
+    if draft_vocab is not None:
+        state[VOCAB_KEY] = torch.as_tensor(draft_vocab, dtype=torch.long).flatten().unique().cpu()
     save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
     config = model.config
     setattr(config, SHARED_FLAG, True)
@@ -86,6 +95,7 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
         state = load_file(_resolve(path, WEIGHTS, revision))
     except SafetensorError as err:
         raise ValueError(f"The weights of the draft model at {path} are corrupt or truncated ({err}).") from err
+    vocab = state.pop(VOCAB_KEY, None)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     shared = _shared_keys(model)
     expected = set(model.state_dict()) - shared
@@ -99,4 +109,9 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
         head = model.get_output_embeddings()
         if head is not None and head.weight is not model.get_input_embeddings().weight:
             head.weight.copy_(target.get_output_embeddings().weight)
-    return model.to(device=target.device, dtype=target.dtype).eval()
+    model = model.to(device=target.device, dtype=target.dtype).eval()
+    if vocab is not None:
+        if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= mine.vocab_size:
+            raise ValueError(f"The draft vocabulary saved at {path} has token ids outside [0, {mine.vocab_size}).")
+        setattr(model, VOCAB_KEY, vocab)
+    return model

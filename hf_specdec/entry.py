@@ -15,6 +15,7 @@ Three ways, one code path:
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Callable
 
@@ -62,7 +63,7 @@ def _build_assisted(target, opts: dict) -> DraftModelProposer:
     num = opts.get("num_speculative_tokens")
     if num is None and opts.get("draft_length_schedule") == "constant":
         num = 5
-    return DraftModelProposer(drafter, num_tokens=num)
+    return DraftModelProposer(drafter, num_tokens=num, draft_vocab=opts.get("draft_vocab"))
 
 
 def _load_eagle3(drafter, target):
@@ -138,6 +139,7 @@ METHOD_KWARGS = (
     "tree_depth",
     "tree_total_tokens",
     "block_size",
+    "draft_vocab",
 )
 
 
@@ -186,21 +188,18 @@ def decoding_method(method, **defaults) -> Callable:
         custom_generate_path(method)  # validates the name
         fixed, label = None, method
 
-    def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
-            drafter=None, num_speculative_tokens=None, prompt_lookup_num_tokens=None, max_matching_ngram_size=None,
-            draft_length_schedule=None, tree_top_k=None, tree_depth=None, tree_total_tokens=None, block_size=None,
-            **model_kwargs):
-        given = {
-            "drafter": drafter, "num_speculative_tokens": num_speculative_tokens,
-            "prompt_lookup_num_tokens": prompt_lookup_num_tokens, "max_matching_ngram_size": max_matching_ngram_size,
-            "draft_length_schedule": draft_length_schedule, "tree_top_k": tree_top_k, "tree_depth": tree_depth,
-            "tree_total_tokens": tree_total_tokens, "block_size": block_size,
-        }
+    def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
+        given = {k: kwargs.pop(k, None) for k in METHOD_KWARGS}
         opts = {**defaults, **{k: v for k, v in given.items() if v is not None}}
         proposer = fixed if fixed is not None else build_proposer(method, model, **opts)
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, **model_kwargs)
+                                  proposer=proposer, **kwargs)
 
+    # transformers hands a callable only the generate() arguments its signature names: name every method option
+    plain = [p for p in inspect.signature(run).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    options = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in METHOD_KWARGS]
+    rest = inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)
+    run.__signature__ = inspect.Signature(plain + options + [rest])
     run.__name__ = f"hf_specdec_{label}"
     run.__doc__ = f"hf_specdec speculative decoding, method {label!r}."
     return run

@@ -102,3 +102,44 @@ def test_demo_takes_trained_drafter_folders(tmp_path):
         out = target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None,
                               custom_generate=hf_specdec.decoding_method(name, **opts))
         assert torch.equal(out, ref), name
+
+
+def test_draft_vocabulary_is_saved_loaded_and_scores_only_its_tokens(tmp_path):
+    """A student saved with a draft vocabulary drafts only those tokens: its restricted head gives the full head's
+    logits there, and the output still equals the target's."""
+    from hf_specdec.proposers.draft_model import DraftModelProposer, restricted_head
+
+    target, student = _student()
+    vocab = torch.arange(0, 96, 3)
+    save_draft_model(student, tmp_path / "s", dtype=torch.float32, draft_vocab=vocab.flip(0))
+    loaded = load_draft_model(tmp_path / "s", target)
+    assert torch.equal(loaded.hf_specdec_draft_vocab, vocab)  # sorted on save
+    assert torch.equal(DraftModelProposer(loaded).vocab, vocab)
+    assert DraftModelProposer(loaded, draft_vocab="full").head is None
+    head, ids = restricted_head(loaded, vocab)
+    x = torch.randn(2, student.config.hidden_size)
+    torch.testing.assert_close(head(x), loaded.get_output_embeddings()(x)[:, vocab])
+    ids_in, mask = prompts(3, 9)
+    ref = target.generate(ids_in, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    out = target.generate(ids_in, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                          custom_generate=hf_specdec.decoding_method("assisted"), drafter=str(tmp_path / "s"),
+                          num_speculative_tokens=2, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and out.speculative_stats["proposed_drafts"] > 0
+
+
+def test_bad_draft_vocabularies_are_refused(tmp_path):
+    from hf_specdec.proposers.draft_model import DraftModelProposer
+
+    target, student = _student()
+    for bad in ([], [0, 96], [-1, 3]):
+        with pytest.raises(ValueError, match="draft_vocab must be"):
+            DraftModelProposer(student, draft_vocab=bad)
+    with pytest.raises(ValueError, match="'full'"):
+        DraftModelProposer(student, draft_vocab="most")
+    student.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="soft-caps"):
+        DraftModelProposer(student, draft_vocab=[1, 2])
+    del student.config.final_logit_softcapping
+    save_draft_model(student, tmp_path / "s", draft_vocab=[1, 500])
+    with pytest.raises(ValueError, match="outside"):
+        load_draft_model(tmp_path / "s", target)

@@ -148,13 +148,17 @@ def _dflash_drafter():
     return DFlashDrafter(config).eval()
 
 
-@pytest.mark.parametrize("method", ["assisted", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
+@pytest.mark.parametrize("method", ["assisted", "assisted_draft_vocab", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
                                     "eagle3_chain", "dflash"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
         drafter = tiny_model("llama", seed=5, vocab=V, hidden=16, scale=1.5)
         custom = hf_specdec.decoding_method("assisted", drafter=drafter, num_speculative_tokens=2)
+    elif method == "assisted_draft_vocab":  # drafts never propose tokens 0 and 3: q is zero there, p is not
+        drafter = tiny_model("llama", seed=5, vocab=V, hidden=16, scale=1.5)
+        custom = hf_specdec.decoding_method("assisted", drafter=drafter, num_speculative_tokens=2,
+                                            draft_vocab=[1, 2, 4, 5])
     elif method == "prompt_lookup":
         custom = hf_specdec.decoding_method("prompt_lookup", draft_length_schedule="constant",
                                             max_matching_ngram_size=1)

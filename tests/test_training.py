@@ -96,8 +96,9 @@ def test_train_draft_student(tmp_path, tok, conversations):
     target = tiny_model("llama", layers=4, hidden=32)
     cfg = TrainConfig(epochs=1, batch_size=2, grad_accum=1, save_every=100, log_every=1, max_steps=2)
     student, metrics = training.train_draft(target, tok, tmp_path / "d", layers=2, samples=6, max_length=64,
-                                            config=cfg, progress=False)
+                                            config=cfg, progress=False, draft_vocab=48)
     assert student.config.num_hidden_layers == 2 and metrics["step"] == 2
+    assert student.hf_specdec_draft_vocab.numel() == 48  # the most frequent tokens of the training data
     ids, _ = prompts(1, 12)
     ref = target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
     out = target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None,

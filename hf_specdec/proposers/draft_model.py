@@ -27,6 +27,33 @@ def check_same_vocabulary(target, drafter, what: str = "drafter") -> None:
         )
 
 
+def restricted_head(drafter, vocab) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """The drafter's LM head over the target token ids ``vocab`` only, and those ids (sorted, unique).
+
+    A draft vocabulary of the most frequent tokens (as EAGLE-3's, or FR-Spec's for draft models) cuts the drafter's
+    cost where its head over the whole vocabulary is most of it; drafts can only be tokens of ``vocab``, and the
+    target still decides every token, so the output is unchanged (greedy and sampled alike)."""
+    cfg = drafter.config.get_text_config()
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) is not None:
+        raise ValueError("draft_vocab needs a drafter whose logits are its LM head's output; this one scales or "
+                         "soft-caps them. Pass draft_vocab='full'.")
+    head = drafter.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"draft_vocab needs a drafter with a linear LM head, got {type(head).__name__}.")
+    vocab = torch.as_tensor(vocab, dtype=torch.long).flatten().unique()
+    if vocab.numel() == 0 or int(vocab[0]) < 0 or int(vocab[-1]) >= head.out_features:
+        raise ValueError(f"draft_vocab must be non-empty token ids in [0, {head.out_features}), got "
+                         f"{vocab.numel()} ids in [{int(vocab.min()) if vocab.numel() else '-'}, "
+                         f"{int(vocab.max()) if vocab.numel() else '-'}].")
+    sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=head.bias is not None,
+                          device=head.weight.device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        sub.weight.copy_(head.weight[vocab.to(head.weight.device)])
+        if head.bias is not None:
+            sub.bias.copy_(head.bias[vocab.to(head.weight.device)])
+    return sub.requires_grad_(False), vocab
+
+
 class DraftModelProposer(Proposer):
     """Drafts a chain with a small causal LM; its KV cache is kept up to the last accepted token.
 
@@ -38,17 +65,30 @@ class DraftModelProposer(Proposer):
         drafter: a causal LM with the target's vocabulary.
         num_tokens: fixed draft length; ``None`` picks the length per step from the measured costs of drafter and
             target and the running acceptance rate (up to ``max_tokens``).
+        draft_vocab: target token ids the drafter may draft (its head scores only those, see
+            :func:`restricted_head`); ``None`` takes the draft vocabulary saved with the drafter
+            (``save_draft_model(..., draft_vocab=)``) if it has one, ``"full"`` the whole vocabulary.
     """
 
     name = "assisted"
 
-    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 12):
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 12, draft_vocab=None):
         if num_tokens is not None and num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}.")
         self.drafter = drafter
         self.num_tokens = num_tokens
         self.max_tokens = num_tokens if num_tokens is not None else max_tokens
         self.max_nodes = self.max_tokens + 1
+        if draft_vocab is None:
+            draft_vocab = getattr(drafter, "hf_specdec_draft_vocab", None)
+        if isinstance(draft_vocab, str):
+            if draft_vocab != "full":
+                raise ValueError(f"draft_vocab must be token ids, None or 'full', got {draft_vocab!r}.")
+            draft_vocab = None
+        self.head, self.vocab = restricted_head(drafter, draft_vocab) if draft_vocab is not None else (None, None)
+
+    def draft_modules(self) -> list:
+        return [self.drafter] + ([self.head] if self.head is not None else [])
 
     def prepare(self, model) -> None:
         check_same_vocabulary(model, self.drafter)
@@ -61,6 +101,9 @@ class DraftModelProposer(Proposer):
         self.token_seconds = None  # measured time of one single-token drafter forward
         t_params = sum(p.numel() for p in state.model.parameters())
         d_params = sum(p.numel() for p in self.drafter.parameters())
+        if self.head is not None:
+            d_params += self.head.weight.numel() - self.drafter.get_output_embeddings().weight.numel()
+            self.vocab = self.vocab.to(self.drafter.device)
         self.prior_cost = 0.05 + d_params / max(t_params, 1)
         self.dtype = self.drafter.dtype
         self.device = self.drafter.device
@@ -74,9 +117,15 @@ class DraftModelProposer(Proposer):
     def _forward(self, state, tokens, positions, past_valid, past_pos, new_attends):
         mask = build_attention_mask(self.drafter.config, past_valid.to(self.device), past_pos.to(self.device),
                                     positions.to(self.device), new_attends.to(self.device), self.dtype)
-        out = self.drafter(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
-                           cache=self.cache, use_cache=True, return_dict=True, logits_to_keep=1)
-        return out.logits[:, -1].float().to(state.device)
+        kw = dict(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
+                  cache=self.cache, use_cache=True, return_dict=True)
+        if self.head is None:
+            return self.drafter(**kw, logits_to_keep=1).logits[:, -1].float().to(state.device)
+        hidden = self.drafter.base_model(**kw).last_hidden_state[:, -1]
+        sub = self.head(hidden).float()
+        logits = sub.new_full((sub.shape[0], self.drafter.get_output_embeddings().out_features), float("-inf"))
+        logits[:, self.vocab] = sub  # tokens outside the draft vocabulary are never drafted
+        return logits.to(state.device)
 
     def propose(self, state):
         bsz = state.batch_size

@@ -198,14 +198,21 @@ def distillation_loss(student, target_head: torch.Tensor, batch: dict, temperatu
 def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500, max_length: int = 384,
                 config: TrainConfig | None = None, features_dir=None, seed: int = 0, save_dtype=torch.float16,
                 progress: bool = True, regenerate_max_new_tokens: int | None = None, data_path=None,
-                init_from=None):
+                init_from=None, draft_vocab: int | None = 8192):
     """Distil a small student of the target's architecture (``layers`` decoder layers initialised from evenly spaced
     target layers, the target's embeddings and head, frozen) for the ``assisted`` method. ``init_from``: a student
-    saved by an earlier run to continue from."""
+    saved by an earlier run to continue from. ``draft_vocab``: the student is saved with the ``draft_vocab`` most
+    frequent target tokens of the training data, the only ones the ``assisted`` method lets it draft (its head then
+    scores those only); ``None``/0 or at least the vocabulary size: the whole vocabulary. Training is unaffected."""
     from ..draft_models import load_draft_model, save_draft_model
+    from .eagle3 import draft_vocabulary
 
     out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
                                      regenerate_max_new_tokens, data_path)
+    vocab_size = target.config.get_text_config().vocab_size
+    vocab = None
+    if draft_vocab and draft_vocab < vocab_size:
+        vocab = draft_vocabulary(shards.token_counts(vocab_size), draft_vocab)[1].nonzero().flatten()
     if init_from is not None:
         student = _init_student(load_draft_model(init_from, target))
     else:
@@ -214,7 +221,7 @@ def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500
     student.train()
 
     def save(model, folder):  # the target's embeddings/head are not stored (load with load_draft_model)
-        save_draft_model(model, folder, save_dtype, tokenizer)
+        save_draft_model(model, folder, save_dtype, tokenizer, draft_vocab=vocab)
 
     metrics = train(student, lambda m, b: distillation_loss(m, head, b), shards, out, config or TrainConfig(),
                     save_model=save, progress=progress)
