@@ -45,9 +45,9 @@ def _bench(args) -> int:
     if args.target is None:  # the default model: the drafters shipped for it, unless others are given
         from .demo import SHIPPED_NAMES, shipped_drafter
 
-        for attr in ("eagle3", "dflash"):
-            if getattr(args, attr) is None and shipped_drafter(SHIPPED_NAMES[attr]) is not None:
-                setattr(args, attr, str(shipped_drafter(SHIPPED_NAMES[attr])))
+        for attr, method in (("eagle3", "eagle3"), ("dflash", "dflash"), ("drafter", "assisted")):
+            if getattr(args, attr) is None and shipped_drafter(SHIPPED_NAMES[method]) is not None:
+                setattr(args, attr, str(shipped_drafter(SHIPPED_NAMES[method])))
     if args.drafter:
         from .draft_models import load_draft_model
 
@@ -87,7 +87,13 @@ def _generate(args) -> int:
                                             return_tensors="pt", return_dict=True)
     else:
         enc = tokenizer(args.prompt, return_tensors="pt")
-    opts = {"drafter": args.drafter} if args.drafter else {}
+    drafter = args.drafter
+    if drafter is None and args.model is None:  # the default model: the drafter shipped for the method, if any
+        from .demo import SHIPPED_NAMES, shipped_drafter
+
+        shipped = shipped_drafter(SHIPPED_NAMES[args.method]) if args.method in SHIPPED_NAMES else None
+        drafter = str(shipped) if shipped is not None else None
+    opts = {"drafter": drafter} if drafter else {}
     from transformers import TextStreamer
 
     from .entry import generate_with_method
@@ -116,7 +122,8 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("bench", help="benchmark methods against plain generate() and transformers' own modes")
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="draft model for 'assisted' / 'hf_assisted'")
+    p.add_argument("--drafter", default=None, help="draft model for 'assisted' / 'hf_assisted' (default for the "
+                                                    "default model: the shipped student, if any)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 drafter (converted or published) for 'eagle3' methods "
                                                    "(default for the default model: the shipped one)")
     p.add_argument("--dflash", default=None, help="DFlash drafter (converted or published) for 'dflash' methods "
@@ -141,7 +148,8 @@ def main(argv=None) -> int:
     p.add_argument("prompt")
     p.add_argument("--method", default="prompt_lookup")
     p.add_argument("--model", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="draft model path or Hub id (method 'assisted')")
+    p.add_argument("--drafter", default=None, help="the method's drafter: path or Hub id (default for the default "
+                                                    "model: the one shipped for the method, if any)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--sample", action="store_true", help="sample (do_sample=True) instead of greedy decoding")

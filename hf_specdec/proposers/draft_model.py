@@ -42,9 +42,8 @@ def restricted_head(drafter, vocab) -> tuple[torch.nn.Linear, torch.Tensor]:
         raise ValueError(f"draft_vocab needs a drafter with a linear LM head, got {type(head).__name__}.")
     vocab = torch.as_tensor(vocab, dtype=torch.long).flatten().unique()
     if vocab.numel() == 0 or int(vocab[0]) < 0 or int(vocab[-1]) >= head.out_features:
-        raise ValueError(f"draft_vocab must be non-empty token ids in [0, {head.out_features}), got "
-                         f"{vocab.numel()} ids in [{int(vocab.min()) if vocab.numel() else '-'}, "
-                         f"{int(vocab.max()) if vocab.numel() else '-'}].")
+        raise ValueError(f"draft_vocab must be non-empty token ids in [0, {head.out_features}) (the drafter's "
+                         f"vocabulary), got {vocab.tolist()[:3]}...{vocab.tolist()[-3:]}.")
     sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=head.bias is not None,
                           device=head.weight.device, dtype=head.weight.dtype)
     with torch.no_grad():
