@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -53,8 +54,9 @@ def save_draft_model(model, folder, dtype=torch.float16, tokenizer=None, draft_v
     if draft_vocab is not None:
         state[VOCAB_KEY] = torch.as_tensor(draft_vocab, dtype=torch.long).flatten().unique().cpu()
     save_file(state, str(folder / WEIGHTS), metadata={"format": "pt"})
-    config = model.config
+    config = copy.deepcopy(model.config)  # the saved copy names the stored dtype; the model's own config is kept
     setattr(config, SHARED_FLAG, True)
+    config.dtype = dtype
     config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

@@ -60,7 +60,7 @@ def test_copy_prompt_accepts_drafts(smollm2, monkeypatch):
     assert out.speculative_stats["acceptance_length"] > 1.5
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "assisted"])
 def test_shipped_drafters_are_small_half_precision_and_lossless(smollm2, method):
     import json
 
@@ -77,7 +77,13 @@ def test_shipped_drafters_are_small_half_precision_and_lossless(smollm2, method)
     with safe_open(str(weights), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()} == {torch.float16}
         assert not any(k.startswith(("embed_tokens", "model.embed_tokens")) for k in f.keys())
-    assert json.loads((folder / "config.json").read_text())["target_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+        keys = set(f.keys())
+    config = json.loads((folder / "config.json").read_text())
+    if method == "assisted":  # a student: the target's embeddings and head, its own draft vocabulary
+        assert config["hf_specdec_shares_target_embeddings"] and "hf_specdec_draft_vocab" in keys
+        assert "lm_head.weight" not in keys
+    else:
+        assert config["target_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     model, tok = smollm2
     opts = available_demo_methods(model)[method]
     tok.padding_side = "left"
