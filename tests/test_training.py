@@ -99,6 +99,10 @@ def test_train_draft_student(tmp_path, tok, conversations):
                                             config=cfg, progress=False, draft_vocab=48)
     assert student.config.num_hidden_layers == 2 and metrics["step"] == 2
     assert student.hf_specdec_draft_vocab.numel() == 48  # the most frequent tokens of the training data
+    again, _ = training.train_draft(target, tok, tmp_path / "d2", samples=6, max_length=64, config=cfg, progress=False,
+                                    features_dir=tmp_path / "d" / "features", init_from=tmp_path / "d" / "final",
+                                    draft_vocab=0)
+    assert not hasattr(again, "hf_specdec_draft_vocab")  # 0: the whole vocabulary, not the earlier run's
     ids, _ = prompts(1, 12)
     ref = target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None)
     out = target.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=None,

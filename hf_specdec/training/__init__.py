@@ -204,7 +204,7 @@ def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500
     saved by an earlier run to continue from. ``draft_vocab``: the student is saved with the ``draft_vocab`` most
     frequent target tokens of the training data, the only ones the ``assisted`` method lets it draft (its head then
     scores those only); ``None``/0 or at least the vocabulary size: the whole vocabulary. Training is unaffected."""
-    from ..draft_models import load_draft_model, save_draft_model
+    from ..draft_models import VOCAB_KEY, load_draft_model, save_draft_model
     from .eagle3 import draft_vocabulary
 
     out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
@@ -215,6 +215,8 @@ def train_draft(target, tokenizer, out_dir, layers: int = 4, samples: int = 1500
         vocab = draft_vocabulary(shards.token_counts(vocab_size), draft_vocab)[1].nonzero().flatten()
     if init_from is not None:
         student = _init_student(load_draft_model(init_from, target))
+        if vocab is None and hasattr(student, VOCAB_KEY):  # asked for the whole vocabulary: not the old run's
+            delattr(student, VOCAB_KEY)
     else:
         student = _init_student(_student_from_layers(target, layers))
     head = target.get_output_embeddings().weight.detach()
