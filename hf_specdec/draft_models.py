@@ -112,8 +112,6 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
         if head is not None and head.weight is not model.get_input_embeddings().weight:
             head.weight.copy_(target.get_output_embeddings().weight)
     model = model.to(device=target.device, dtype=target.dtype).eval()
-    if vocab is not None:
-        if vocab.numel() == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= mine.vocab_size:
-            raise ValueError(f"The draft vocabulary saved at {path} has token ids outside [0, {mine.vocab_size}).")
+    if vocab is not None:  # checked where it is used (proposers.draft_model.restricted_head)
         setattr(model, VOCAB_KEY, vocab)
     return model

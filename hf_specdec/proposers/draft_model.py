@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
+from ..draft_models import VOCAB_KEY
 from ..costs import AcceptanceEstimator, best_draft_length
 from ..tree import DraftTree, build_attention_mask
 from .base import Proposer
@@ -79,7 +80,7 @@ class DraftModelProposer(Proposer):
         self.max_tokens = num_tokens if num_tokens is not None else max_tokens
         self.max_nodes = self.max_tokens + 1
         if draft_vocab is None:
-            draft_vocab = getattr(drafter, "hf_specdec_draft_vocab", None)
+            draft_vocab = getattr(drafter, VOCAB_KEY, None)
         if isinstance(draft_vocab, str):
             if draft_vocab != "full":
                 raise ValueError(f"draft_vocab must be token ids, None or 'full', got {draft_vocab!r}.")
