@@ -12,7 +12,7 @@ setup(
     name="hf_specdec",
     version=version["__version__"],
     description="Lossless speculative decoding for Hugging Face transformers: prompt lookup, draft models, "
-    "EAGLE-3, Medusa, DFlash, LayerSkip and MTP behind model.generate().",
+    "EAGLE-3 and DFlash behind model.generate(), with converters for published drafters.",
     long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",

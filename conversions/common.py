@@ -93,3 +93,15 @@ def load_target_config(target: str | os.PathLike | None, revision: str | None = 
     folder = resolve_source(target, revision=None, allow_patterns=["config.json"]) if not Path(
         target).is_dir() else Path(target)
     return AutoConfig.from_pretrained(str(folder))
+
+
+def load_converted_or_published(source: str | os.PathLike, target, model_cls, convert):
+    """A drafter of ``model_cls`` for ``target`` from a folder or Hub repo id: a folder converted by hf_specdec
+    (its ``config.json`` names ``model_cls``'s model type) loads with ``from_pretrained``; a published layout is
+    converted in memory with ``convert``. On the target's device and dtype, in eval mode."""
+    folder = resolve_source(source)
+    if read_config(folder).get("model_type") == model_cls.config_class.model_type:
+        model = model_cls.from_pretrained(str(folder), dtype=target.dtype)
+    else:
+        model = convert(folder, dtype=target.dtype)
+    return model.to(target.device).eval()

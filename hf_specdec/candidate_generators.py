@@ -25,9 +25,10 @@ from transformers.generation.utils import GenerationMixin
 
 from .cache import CacheLayout
 from .costs import ForwardCostModel
-from .engine import DecodingState
-from .entry import build_proposer
 from .proposers import DraftModelProposer, PromptLookupProposer
+from .proposers.prompt_lookup import MAX_NGRAM, NUM_TOKENS
+from .registry import build_proposer
+from .state import DecodingState
 from .tree import DraftTree
 from .verify import AcceptResult
 
@@ -119,7 +120,8 @@ class ProposerCandidateGenerator(CandidateGenerator):
 class PromptLookupCandidateGenerator(ProposerCandidateGenerator):
     """hf_specdec's adaptive prompt lookup (longest n-gram first, most recent match) for transformers' loop."""
 
-    def __init__(self, model, num_output_tokens: int = 20, max_matching_ngram_size: int = 5, adaptive: bool = True,
+    def __init__(self, model, num_output_tokens: int = NUM_TOKENS.default, max_matching_ngram_size: int = MAX_NGRAM.default,
+                 adaptive: bool = True,
                  logits_processor: LogitsProcessorList | None = None, max_length: int = 20, do_sample: bool = False):
         super().__init__(PromptLookupProposer(num_output_tokens, max_matching_ngram_size, adaptive=adaptive), model,
                          logits_processor, max_length, do_sample)

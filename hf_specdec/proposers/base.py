@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import DecodingState
+    from ..state import DecodingState
     from ..tree import DraftTree
     from ..verify import AcceptResult
 
@@ -68,8 +68,8 @@ class Proposer:
     name: str = "proposer"
 
     def draft_modules(self) -> list:
-        """The modules only drafting runs (default: ``self.drafter`` when it is one); the loop may give their linear
-        layers faster CPU kernels for the call (:class:`~hf_specdec.kernels.VerifyKernels`)."""
+        """The modules only drafting runs (default: ``self.drafter`` when it is one). The target runner may give
+        them faster kernels for the call (:mod:`hf_specdec.runners`)."""
         drafter = getattr(self, "drafter", None)
         return [drafter] if isinstance(drafter, torch.nn.Module) else []
 

@@ -13,17 +13,22 @@ skipped context is fed at the next probe.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
-from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
+from ..default_model import MODEL_ID as SMOLLM2
+from ..conversions.common import load_converted_or_published
+from ..conversions.dflash import LAYOUTS, convert_dflash
+from ..modeling.dflash import DFlashDrafter
+from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
-from .base import BackOff, Proposer
+from .features import FeatureDrafterProposer
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(FeatureDrafterProposer):
     name = "dflash"
     HEAD_FIRST = 4  # block positions scored first (adaptive schedule)
     HEAD_MORE = 0.1  # ... and the rest only when a row's draft 4 is at least this likely to be accepted
@@ -32,45 +37,12 @@ class DFlashProposer(Proposer):
         size = block_size or drafter.config.block_size
         if not 2 <= size <= drafter.config.block_size:
             raise ValueError(f"block_size must be in 2..{drafter.config.block_size} for this drafter, got {size}.")
-        self.drafter = drafter
+        super().__init__(drafter, adaptive)
         self.block_size = size
-        self.adaptive = adaptive
         self.max_nodes = size
-        self.calibration = 1.0
-        self._predicted = None
 
-    def prepare(self, model) -> None:
-        self.drafter.bind_target(model)
-        self.layer_ids = self.drafter.feature_layer_ids(model.config)
-        self.target_hidden_states = [i + 1 for i in self.layer_ids]  # layer outputs
-
-    def begin(self, state) -> None:
-        self.device = self.drafter.fc.weight.device
-        self.dtype = self.drafter.fc.weight.dtype
-        self.cache = DynamicCache()
-        self.synced = 0
-        self.features = self._fuse(state.hidden_states)
-        self.backoff = BackOff()
-
-    def _fuse(self, hidden_states) -> torch.Tensor:
-        return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
-
-    def commit(self, state, tree, result) -> None:
-        if self._predicted is not None:
-            predicted, accepted = sum(self._predicted), sum(result.num_accepted)
-            if predicted > 0:
-                self.calibration = 0.9 * self.calibration + 0.1 * min(max(accepted / predicted, 0.2), 2.0)
-            self._predicted = None
-        width = max(len(p) for p in result.paths)
-        nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)
-        fused = self._fuse(state.hidden_states)
-        self.features = torch.cat([self.features, fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))],
-                                  dim=1)
-
-    def on_compact(self, state, index) -> None:
-        self.features = self.features.gather(1, index.to(self.device)[:, :, None].expand(-1, -1, self.features.shape[-1]))
-        self.cache = DynamicCache()
-        self.synced = 0
+    def hidden_state_ids(self, layer_ids):
+        return [i + 1 for i in layer_ids]  # the drafter names layers; their outputs are hidden_states[i + 1]
 
     def _masks(self, state, block_pos):
         """One additive mask per drafter layer over [context columns ‖ block]."""
@@ -169,7 +141,7 @@ class DFlashProposer(Proposer):
             drafts.append(row_tokens)
             probs_all.append(row_probs)
             kept.append(k)
-        seconds = time.perf_counter() - t0 if end - start <= 8 else None  # a backlog of context: not typical
+        seconds = time.perf_counter() - t0 if end - start <= self.BACKLOG else None  # a backlog: not typical
         if not any(kept):
             self._predicted = None
             if self.adaptive and all(state.max_drafts[b] > 0 for b in range(bsz)):
@@ -182,3 +154,46 @@ class DFlashProposer(Proposer):
         tokens = torch.stack(drafts)
         draft_probs = torch.stack(probs_all) if state.do_sample else None
         return DraftTree.chain(state.roots(), tokens, torch.tensor(kept, device=state.device), draft_probs)
+
+
+def _train(target, tokenizer, out, args, common):
+    from .. import training
+
+    return training.train_dflash(target, tokenizer, out, layers=args.layers or 3, block_size=args.block_size,
+                                 num_anchors=args.num_anchors, **common)
+
+
+METHOD = Method(
+    name="dflash",
+    summary="a block-diffusion drafter filling a block of mask tokens in one forward, conditioned on target "
+            "features",
+    description="Lossless DFlash speculative decoding (block diffusion drafter conditioned on target hidden "
+                "states): one drafter forward fills a block of mask tokens after the last committed token, using "
+                "the target's embeddings and LM head and fused target features injected as keys/values in every "
+                "drafter layer; the target verifies the block in one forward pass. Sampling is exact (drafts "
+                "sampled from the drafter's distribution, speculative rejection sampling). z-lab layouts (old "
+                "5-layer/5-tap, new 6-layer/8-tap revisions) and transformers' native Muse-Glimmer assistant layout "
+                "are converted in memory; `hf-specdec convert dflash <repo> <out> --revision <rev>` converts once.",
+    build=lambda target, opts: DFlashProposer(opts["drafter"], block_size=opts["block_size"],
+                                              adaptive=opts["draft_length_schedule"] != "constant"),
+    options=(
+        Option("block_size", int, None, "block positions drafted (default: the drafter's block size)"),
+        SCHEDULE,
+    ),
+    drafter=DrafterSpec(
+        doc="a DFlash drafter",
+        hint="pass drafter=<DFlashDrafter, converted folder, or a published repo id / folder>",
+        load=functools.partial(load_converted_or_published, model_cls=DFlashDrafter, convert=convert_dflash),
+        accepts=DFlashDrafter,
+        convert=convert_dflash,
+        layouts=LAYOUTS,
+        shipped={SMOLLM2: "smollm2-135m-instruct-dflash"},
+        train=_train,
+        example="drafter=\"z-lab/Qwen3-4B-DFlash-b16\")     # published repo, converted folder, or model",
+    ),
+    shorthands={
+        "dflash": Shorthand("B", lambda arg: {"block_size": int(arg)} if arg else {}),
+        "dflash_fixed": Shorthand("B", lambda arg: {"draft_length_schedule": "constant",
+                                                    **({"block_size": int(arg)} if arg else {})}),
+    },
+)

@@ -8,10 +8,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
-from ..draft_models import VOCAB_KEY
 from ..costs import AcceptanceEstimator, best_draft_length
+from ..default_model import MODEL_ID as SMOLLM2
+from ..draft_models import VOCAB_KEY, load_draft_model
+from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree, build_attention_mask
 from .base import Proposer
+
+CONSTANT_TOKENS = 5  # the draft length of draft_length_schedule="constant" when num_speculative_tokens is not given
 
 
 def check_same_vocabulary(target, drafter, what: str = "drafter") -> None:
@@ -199,3 +203,50 @@ class DraftModelProposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0
         self.fed = 0
+
+
+def _build(target, opts) -> DraftModelProposer:
+    num = opts["num_speculative_tokens"]
+    if num is None and opts["draft_length_schedule"] == "constant":
+        num = CONSTANT_TOKENS
+    return DraftModelProposer(opts["drafter"], num_tokens=num, draft_vocab=opts["draft_vocab"])
+
+
+def _train(target, tokenizer, out, args, common):
+    from .. import training
+
+    return training.train_draft(target, tokenizer, out, layers=args.layers or 4, draft_vocab=args.draft_vocab,
+                                **common)
+
+
+METHOD = Method(
+    name="assisted",
+    summary="a small causal LM with the target's tokenizer (a distilled student: `hf-specdec train draft`); "
+            "`draft_vocab=` restricts its head to frequent tokens (lossless)",
+    description="Lossless draft-model speculative decoding (Leviathan et al., Chen et al.): a small causal LM with "
+                "the target's tokenizer drafts a chain of tokens, the target verifies them in one forward pass. "
+                "Sampling uses exact speculative sampling (drafts sampled from the drafter's distribution, accepted "
+                "with probability min(1, q/p), residual max(0, q - p) on rejection). The drafter's KV cache is kept "
+                "up to the last accepted token. A drafter with another vocabulary is refused with an error (use "
+                "transformers' universal assisted decoding for that).",
+    build=_build,
+    options=(
+        Option("num_speculative_tokens", int, None,
+               f"fixed draft length (default: chosen per step from measured costs, up to 12; {CONSTANT_TOKENS} with "
+               "draft_length_schedule='constant')"),
+        SCHEDULE,
+        Option("draft_vocab", object, None,
+               "target token ids the drafter may draft (default: the draft vocabulary saved with it; 'full': all)"),
+    ),
+    drafter=DrafterSpec(
+        doc="a draft model",
+        hint="pass assistant_model=<small causal LM with the target's tokenizer> (or drafter=<model or path>)",
+        load=load_draft_model,
+        check=lambda target, drafter: check_same_vocabulary(target, drafter),
+        shipped={SMOLLM2: "smollm2-135m-instruct-student"},
+        train=_train,
+        train_name="draft",
+        flag="drafter",
+        example="assistant_model=draft_model)          # or drafter=\"path/or/repo-id\"",
+    ),
+)

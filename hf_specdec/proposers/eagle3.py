@@ -15,14 +15,20 @@ argmax, or samples from the drafter's distribution when the call samples (exact 
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
+from ..default_model import MODEL_ID as SMOLLM2
+from ..conversions.common import load_converted_or_published
+from ..conversions.eagle3 import LAYOUTS, convert_eagle3
+from ..modeling.eagle3 import Eagle3Drafter
+from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree, build_attention_mask
-from .base import BackOff, Proposer
+from .features import FeatureDrafterProposer
 
 
 # The dynamic tree's defaults per device type of the target: the reference's on accelerators; on a CPU a forward
@@ -37,7 +43,7 @@ def default_tree(device) -> dict:
     return dict(TREE_DEFAULTS.get(torch.device(device).type, REFERENCE_TREE))
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(FeatureDrafterProposer):
     """Args:
         drafter: an ``Eagle3Drafter`` (bound to the target in ``prepare``).
         top_k, depth, total_tokens: the dynamic tree (reference defaults 10 / 7 / 60; ``generate`` with
@@ -60,53 +66,14 @@ class Eagle3Proposer(Proposer):
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}.")
         if num_speculative_tokens is None and not (top_k >= 1 and depth >= 1 and total_tokens >= 2):
             raise ValueError("The EAGLE-3 tree needs top_k >= 1, depth >= 1 and total_tokens >= 2.")
-        self.drafter = drafter
-        self.adaptive = adaptive
-        self.calibration = 1.0  # accepted drafts / predicted (drafter probabilities), running
-        self._predicted = None
+        super().__init__(drafter, adaptive)
         self.chain = num_speculative_tokens
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
-        self.target_hidden_states = None
-
-    # ---- life cycle
-    def prepare(self, model) -> None:
-        self.drafter.bind_target(model)
-        self.layer_ids = self.drafter.feature_layer_ids(model.config)
-        self.target_hidden_states = self.layer_ids
 
     def begin(self, state) -> None:
-        self.device = self.drafter.fc.weight.device
-        self.dtype = self.drafter.fc.weight.dtype
-        self.cache = DynamicCache()
-        self.synced = 0  # target layout columns whose drafter rows are in the drafter cache
-        self.features = self._fuse(state.hidden_states)  # [B, T, 3H]: one fused feature per layout column
-        self.backoff = BackOff()
+        super().begin(state)
         self._worth = None
-
-    def _fuse(self, hidden_states) -> torch.Tensor:
-        if hidden_states is None:
-            raise RuntimeError("EAGLE-3 needs the target's hidden states; the loop did not return them.")
-        return torch.cat([hidden_states[i] for i in self.layer_ids], dim=-1).to(self.device, self.dtype)
-
-    def commit(self, state, tree, result) -> None:
-        if self._predicted is not None and tree is not None and not tree.is_chain:
-            predicted = sum(self._predicted)
-            accepted = sum(result.num_accepted)
-            if predicted > 0:
-                ratio = min(max(accepted / predicted, 0.2), 2.0)
-                self.calibration = 0.9 * self.calibration + 0.1 * ratio
-            self._predicted = None
-        width = max(len(p) for p in result.paths)
-        nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)
-        fused = self._fuse(state.hidden_states)  # [B, N, 3H] for every tree node
-        picked = fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))
-        self.features = torch.cat([self.features, picked], dim=1)
-
-    def on_compact(self, state, index) -> None:
-        self.features = self.features.gather(1, index.to(self.device)[:, :, None].expand(-1, -1, self.features.shape[-1]))
-        self.cache = DynamicCache()
-        self.synced = 0
 
     # ---- drafter forwards
     def _mask(self, state, past_valid, past_pos, new_pos, new_attends):
@@ -155,7 +122,7 @@ class Eagle3Proposer(Proposer):
         fed = state.layout.length - self.synced
         root_logits, root_hidden = self._feed_context(state)
         context = self.synced
-        if fed > 8:  # the prompt, or a backlog after skipped steps: not a typical step's drafting cost
+        if fed > self.BACKLOG:  # the prompt, or a backlog after skipped steps: time the tree alone
             start = time.perf_counter()
         self._worth = None
         try:
@@ -329,3 +296,65 @@ class Eagle3Proposer(Proposer):
                 parents[b, 1:n + 1] = torch.tensor(rows_parents[b], device=state.device)
                 valid[b, 1:n + 1] = True
         return DraftTree(tokens=tokens, parents=parents, valid=valid)
+
+
+def _build(target, opts) -> Eagle3Proposer:
+    chain = opts["num_speculative_tokens"]
+    given = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts[f"tree_{k}"] is not None}
+    tree = {} if chain else {**default_tree(target.device), **given}
+    return Eagle3Proposer(opts["drafter"], num_speculative_tokens=chain,
+                          adaptive=opts["draft_length_schedule"] != "constant", **tree)
+
+
+def _tree_arg(arg: str) -> dict:
+    if not arg:
+        return {}
+    top_k, depth, total = (int(x) for x in arg.split("-"))
+    return {"tree_top_k": top_k, "tree_depth": depth, "tree_total_tokens": total}
+
+
+def _train(target, tokenizer, out, args, common):
+    from .. import training
+
+    return training.train_eagle3(target, tokenizer, out, draft_vocab=args.draft_vocab, **common)
+
+
+METHOD = Method(
+    name="eagle3",
+    summary="one-layer drafter over fused low/mid/high target features; dynamic draft tree (EAGLE-2) or a chain",
+    description="Lossless EAGLE-3 speculative decoding (Li et al., 2025): a one-layer drafter fed with three fused "
+                "hidden states of the target drafts a dynamic tree (EAGLE-2) that the target verifies in one forward "
+                "pass with a tree attention mask; sampling is exact (tree rejection rule for top-k drafts). Published "
+                "layouts (research `yuhuili/EAGLE3-*`, SpecForge/SGLang, speculators) are converted in memory when "
+                "given by repo id or folder; `hf-specdec convert eagle3 <repo> <out>` converts once to safetensors. "
+                "The tree defaults depend on the target's device: the reference's on an accelerator, a small tree "
+                "on a CPU, where a forward over 5 or more tokens costs much more than over 4 and every depth is one "
+                "more drafter forward on the critical path (measured in benchmarks/RESULTS.md); a `tree_*` option "
+                "you pass replaces only that value.",
+    build=_build,
+    options=(
+        Option("tree_top_k", int, None, f"children per expanded node (default by device: {REFERENCE_TREE['top_k']}; "
+               f"CPU {TREE_DEFAULTS['cpu']['top_k']})"),
+        Option("tree_depth", int, None, f"tree depth, the longest draft (default {REFERENCE_TREE['depth']}; "
+               f"CPU {TREE_DEFAULTS['cpu']['depth']})"),
+        Option("tree_total_tokens", int, None, f"tree size, root included (default {REFERENCE_TREE['total_tokens']}; "
+               f"CPU {TREE_DEFAULTS['cpu']['total_tokens']})"),
+        Option("num_speculative_tokens", int, None, "draft a chain of this length instead of a tree"),
+        SCHEDULE,
+    ),
+    drafter=DrafterSpec(
+        doc="an EAGLE-3 drafter",
+        hint="pass drafter=<Eagle3Drafter, converted folder, or a published repo id / folder>",
+        load=functools.partial(load_converted_or_published, model_cls=Eagle3Drafter, convert=convert_eagle3),
+        accepts=Eagle3Drafter,
+        convert=convert_eagle3,
+        layouts=LAYOUTS,
+        shipped={SMOLLM2: "smollm2-135m-instruct-eagle3"},
+        train=_train,
+        example="drafter=\"yuhuili/EAGLE3-LLaMA3.1-Instruct-8B\")   # published repo, converted folder, or model",
+    ),
+    shorthands={
+        "eagle3": Shorthand("TOPK-DEPTH-TOTAL", _tree_arg),
+        "eagle3_chain": Shorthand("K", lambda arg: {"num_speculative_tokens": int(arg or 4)}),
+    },
+)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..costs import AcceptanceEstimator, best_draft_length
+from ..registry import SCHEDULE, Method, Option
 from ..tree import DraftTree
 from .base import Proposer
+
+NUM_TOKENS = Option("prompt_lookup_num_tokens", int, 20, "the most drafts per step")
+MAX_NGRAM = Option("max_matching_ngram_size", int, 5, "the longest suffix n-gram matched")
 
 
 def find_continuation(seq: torch.LongTensor, max_ngram: int, min_ngram: int, max_tokens: int):
@@ -39,7 +43,8 @@ class PromptLookupProposer(Proposer):
 
     name = "prompt_lookup"
 
-    def __init__(self, num_tokens: int = 20, max_ngram: int = 5, min_ngram: int = 1, adaptive: bool = True):
+    def __init__(self, num_tokens: int = NUM_TOKENS.default, max_ngram: int = MAX_NGRAM.default, min_ngram: int = 1,
+                 adaptive: bool = True):
         if num_tokens < 1:
             raise ValueError(f"prompt_lookup_num_tokens must be >= 1, got {num_tokens}.")
         if not 1 <= min_ngram <= max_ngram:
@@ -101,3 +106,18 @@ class PromptLookupProposer(Proposer):
             if self.keys[b] is not None:
                 self.estimator.update(self.keys[b], proposed[b], n_acc)
             self.streak[b] = proposed[b] > 0 and n_acc == proposed[b]
+
+
+METHOD = Method(
+    name="prompt_lookup",
+    summary="n-grams of the prompt and output, draft length adapted to measured costs",
+    description="Lossless prompt lookup decoding for any causal LM in transformers: drafts are copied from earlier "
+                "in the prompt or the output (longest suffix n-gram first, most recent match) and verified by the "
+                "model in one forward pass. Unlike transformers' built-in `prompt_lookup_num_tokens`, the draft "
+                "length adapts to the measured cost of a verification step and to how often matches are accepted, "
+                "so text that does not copy runs at plain-decoding speed. No drafter.",
+    build=lambda target, opts: PromptLookupProposer(num_tokens=opts["prompt_lookup_num_tokens"],
+                                                    max_ngram=opts["max_matching_ngram_size"],
+                                                    adaptive=opts["draft_length_schedule"] != "constant"),
+    options=(NUM_TOKENS, MAX_NGRAM, SCHEDULE),
+)

@@ -6,6 +6,11 @@ Usage and options: README.md in the folder above this one. The decoding loop liv
 
 from hf_specdec.entry import generate_with_method
 
+METHOD = "eagle3"
+PROVIDER = None  # the module that registers the method (None: built into hf_specdec)
+
 
 def generate(model, *args, **kwargs):
-    return generate_with_method("eagle3", model, *args, **kwargs)
+    if PROVIDER is not None:
+        __import__(PROVIDER)
+    return generate_with_method(METHOD, model, *args, **kwargs)

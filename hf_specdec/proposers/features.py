@@ -1,0 +1,94 @@
+"""The shared base of proposers whose drafter reads the target's hidden states (EAGLE-3, DFlash; Medusa and MTP next).
+
+What every such proposer does the same way, written once here:
+
+* **feature capture**: :meth:`prepare` binds the drafter to the target and asks the loop for the hidden states it
+  reads (``target_hidden_states``); every verification forward returns them.
+* **mirroring**: ``features [B, T, F]`` holds one fused target feature per target cache column, holes included, so
+  it mirrors the target cache's column layout; after a step the features of the accepted path's nodes are appended
+  (:meth:`commit`), after a compaction the same columns are gathered (:meth:`on_compact`). ``cache`` is the
+  drafter's own KV cache and ``synced`` the number of target columns whose drafter rows it holds.
+* **calibration**: the drafter's confidence predicts how many drafts are accepted; ``calibration`` is the running
+  ratio of accepted to predicted drafts (a subclass stores its prediction in ``_predicted``, one float per row).
+* **back-off**: ``backoff`` (:class:`~hf_specdec.proposers.base.BackOff`) skips proposals that do not pay.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .base import BackOff, Proposer
+
+
+class FeatureDrafterProposer(Proposer):
+    """Base class: subclasses set ``name``, implement :meth:`propose` and, if their drafter reads other
+    ``hidden_states`` indices than its layer ids, :meth:`hidden_state_ids`.
+
+    Args:
+        drafter: a drafter with ``bind_target(model)`` and ``feature_layer_ids(config)``.
+        adaptive: size drafts from the measured costs and the drafter's calibrated confidence, and back off when
+            drafting does not pay (the subclass's rule); ``False`` always drafts the most it may.
+    """
+
+    BACKLOG = 8  # a proposal that feeds more context columns than this is not a typical step's drafting cost
+
+    def __init__(self, drafter, adaptive: bool = True):
+        self.drafter = drafter
+        self.adaptive = adaptive
+        self.calibration = 1.0  # accepted drafts / predicted (drafter probabilities), running
+        self._predicted: list[float] | None = None
+        self.target_hidden_states = None
+
+    def hidden_state_ids(self, layer_ids: list[int]) -> list[int]:
+        """The target ``hidden_states`` indices the drafter's ``layer_ids`` name (default: the same)."""
+        return list(layer_ids)
+
+    # ---- life cycle
+    def prepare(self, model) -> None:
+        self.drafter.bind_target(model)
+        self.layer_ids = self.drafter.feature_layer_ids(model.config)
+        self.target_hidden_states = self.hidden_state_ids(self.layer_ids)
+
+    def begin(self, state) -> None:
+        weight = self._drafter_weight()
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cache = DynamicCache()
+        self.synced = 0
+        self.features = self._fuse(state.hidden_states)  # [B, T, F]: one fused feature per layout column
+        self.backoff = BackOff()
+
+    def commit(self, state, tree, result) -> None:
+        self._update_calibration(result)
+        width = max(len(p) for p in result.paths)
+        nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)  # [B, W]
+        fused = self._fuse(state.hidden_states)  # [B, N, F] for every tree node
+        picked = fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))
+        self.features = torch.cat([self.features, picked], dim=1)
+
+    def on_compact(self, state, index) -> None:
+        index = index.to(self.device)
+        self.features = self.features.gather(1, index[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        self.cache = DynamicCache()
+        self.synced = 0
+
+    # ---- helpers
+    def _drafter_weight(self) -> torch.Tensor:
+        """A weight of the drafter's own (the device and dtype it computes in): its input projection ``fc`` when it
+        has one (its first parameter may be the target's shared embedding)."""
+        fc = getattr(self.drafter, "fc", None)
+        return fc.weight if isinstance(fc, torch.nn.Linear) else next(self.drafter.parameters())
+
+    def _fuse(self, hidden_states) -> torch.Tensor:
+        """``[B, T, F]``: the requested target hidden states, concatenated, in the drafter's device and dtype."""
+        if hidden_states is None:
+            raise RuntimeError(f"{self.name} needs the target's hidden states; the loop did not return them.")
+        return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
+
+    def _update_calibration(self, result) -> None:
+        if self._predicted is None:
+            return
+        predicted, accepted = sum(self._predicted), sum(result.num_accepted)
+        if predicted > 0:
+            self.calibration = 0.9 * self.calibration + 0.1 * min(max(accepted / predicted, 0.2), 2.0)
+        self._predicted = None

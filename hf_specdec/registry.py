@@ -1,0 +1,396 @@
+"""The method registry: one record per speculative decoding method, read by everything that names a method.
+
+A :class:`Method` says what a method is called, its options (name, type, default, one-line doc), how it builds its
+proposer, how its drafter is loaded or converted and which drafter ships for a known target. The ``custom_generate``
+entry points and the callable form (:mod:`hf_specdec.entry`), the method folders (:mod:`hf_specdec.folders`), the
+CLI's ``generate`` / ``demo`` / ``bench`` / ``convert``, the README's method table and the error messages for an
+unknown method or option all read it; a method's defaults are written only in its record.
+
+The built-in records live beside their proposers (``hf_specdec/proposers/<method>.py``, attribute ``METHOD``). A
+method of your own is one :func:`register` call::
+
+    from hf_specdec.registry import Method, Option, register
+
+    register(Method(
+        name="my_lookup",
+        summary="n-grams of a document the user passes",
+        build=lambda target, opts: MyLookupProposer(opts["document"], opts["width"]),
+        options=(Option("document", str, None, "the text to copy from"), Option("width", int, 4, "drafts per step")),
+    ))
+    model.generate(**inputs, custom_generate=hf_specdec.decoding_method("my_lookup"), document=text)
+    model.generate(**inputs, custom_generate=hf_specdec.custom_generate_path("my_lookup"), trust_remote_code=True,
+                   document=text)
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash")  # hf_specdec.proposers modules with a METHOD
+DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
+
+
+@dataclass(frozen=True)
+class Option:
+    """One keyword argument of a method (given to ``generate`` or ``decoding_method``).
+
+    ``default=None`` means "not set": the method decides (and the doc says how). ``choices`` restricts the values.
+    """
+
+    name: str
+    type: type | tuple[type, ...]
+    default: Any
+    doc: str
+    choices: tuple = ()
+
+    def check(self, method: str, value):
+        """``value`` if it is valid for this option (``None``: the default), else a ``ValueError`` naming why."""
+        if value is None:
+            return self.default
+        if self.choices and value not in self.choices:
+            allowed = " or ".join(repr(c) for c in self.choices)
+            raise ValueError(f"{self.name} must be {allowed}, got {value!r}.")
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        if object not in types and not isinstance(value, types):
+            names = " or ".join(t.__name__ for t in types)
+            raise ValueError(f"{method}: {self.name} must be {names}, got {type(value).__name__} {value!r}.")
+        return value
+
+    def parse(self, text: str):
+        """The value of a command-line string (``--option name=text``, ``bench`` method strings)."""
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        if text.lower() in ("none", ""):
+            return None
+        if int in types:
+            return int(text)
+        if float in types:
+            return float(text)
+        if bool in types:
+            return text.lower() in ("1", "true", "yes")
+        return text
+
+    @property
+    def type_name(self) -> str:
+        types = self.type if isinstance(self.type, tuple) else (self.type,)
+        return " | ".join("any" if t is object else t.__name__ for t in types)
+
+
+SCHEDULE = Option("draft_length_schedule", str, "adaptive",
+                  "'adaptive': draft lengths follow the measured costs and acceptance; 'constant': always the most",
+                  choices=("adaptive", "constant"))
+
+
+@dataclass(frozen=True)
+class Shorthand:
+    """A short form of a method's options for ``bench`` method strings: ``NAME[:ARG]`` (``ARG`` documented by
+    ``arg``); ``options(arg)`` turns the text after the colon (``""`` when absent) into options."""
+
+    arg: str
+    options: Callable[[str], dict]
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """How a method's drafter is given and where it comes from.
+
+    Args:
+        doc: what the drafter is ("an EAGLE-3 drafter").
+        hint: how to pass it, for the error when it is missing.
+        load: ``load(path_or_repo_id, target) -> module`` on the target's device and dtype.
+        accepts: model classes accepted as objects (``None``: any ``nn.Module``).
+        check: ``check(target, drafter)`` raises when the drafter does not fit the target (objects and loaded).
+        convert: ``convert(source, out, revision=, target=, layout=, dtype=)`` for ``hf-specdec convert``.
+        layouts: the published layouts ``convert`` reads (``--layout``).
+        shipped: target model id -> folder under ``hf_specdec/drafters`` trained by this project.
+        flag: the CLI option naming it for ``demo`` / ``bench`` (default: ``--<method>``).
+        required: the method cannot run without one.
+        example: how the method folder's README passes one (the rest of the ``generate`` call's line).
+        train: ``train(target, tokenizer, out_dir, cli_args, common) -> (drafter, metrics)`` for
+            ``hf-specdec train <train_name>`` (``common``: the trainer keywords every drafter shares).
+        train_name: the name ``hf-specdec train`` knows it by (default: the method's).
+    """
+
+    doc: str
+    hint: str
+    load: Callable[[Any, Any], torch.nn.Module]
+    accepts: type | tuple[type, ...] | None = None
+    check: Callable[[Any, Any], None] | None = None
+    convert: Callable | None = None
+    layouts: tuple[str, ...] = ()
+    shipped: Mapping[str, str] = field(default_factory=dict)
+    flag: str | None = None
+    required: bool = True
+    example: str = 'drafter="path/or/hub-id")'
+    train: Callable | None = None
+    train_name: str | None = None
+
+
+@dataclass(frozen=True, repr=False)
+class Method:
+    """One speculative decoding method.
+
+    Args:
+        name: what ``custom_generate="hf_specdec/<name>"``, ``decoding_method(name)`` and the CLI call it.
+        summary: what it drafts from, one line (README table, CLI help, errors).
+        build: ``build(target, options) -> Proposer``; ``options`` holds every option (defaults filled in) and
+            ``"drafter"``: the loaded drafter module (or ``None``).
+        options: its keyword arguments.
+        drafter: how its drafter is given, if it has one.
+        shorthands: short forms for ``bench`` method strings, by name (its own name and variants such as
+            ``eagle3_chain``).
+        description: a paragraph for the method folder's README (default: ``summary``).
+    """
+
+    name: str
+    summary: str
+    build: Callable[[Any, dict], Any]
+    options: tuple[Option, ...] = ()
+    drafter: DrafterSpec | None = None
+    shorthands: Mapping[str, Shorthand] = field(default_factory=dict)
+    description: str = ""
+
+    def __repr__(self) -> str:
+        return f"Method({self.name!r})"
+
+    def option(self, name: str) -> Option:
+        return {o.name: o for o in self.options}[name]
+
+    @property
+    def option_names(self) -> list[str]:
+        return [o.name for o in self.options] + (["drafter"] if self.drafter else [])
+
+    def resolve(self, given: dict, caller: str = "generate()") -> dict:
+        """Every option's value (``given`` first, ``None`` meaning not given), checked; ``"drafter"`` as given."""
+        unknown = sorted(k for k in set(given) - set(self.option_names) if given[k] is not None)
+        if "drafter" in unknown:
+            users = [m.name for m in methods() if m.drafter is not None]
+            raise ValueError(f"The {self.name!r} method takes no drafter/assistant_model: it drafts from "
+                             f"{self.summary}. Methods that draft with a model: {', '.join(users)} (e.g. "
+                             "custom_generate='hf_specdec/assisted').")
+        unknown = [k for k in unknown if k != "drafter"]
+        if unknown:
+            raise ValueError(_unknown_options_message(self, unknown, caller))
+        opts = {o.name: o.check(self.name, given.get(o.name)) for o in self.options}
+        if self.drafter is not None:
+            opts["drafter"] = given.get("drafter")
+        return opts
+
+
+def _unknown_options_message(method: Method, unknown: list[str], caller: str) -> str:
+    owners = {k: [m.name for m in methods() if k in m.option_names] for k in unknown}
+    elsewhere = "; ".join(f"{k} is an option of {', '.join(v)}" for k, v in owners.items() if v)
+    return (f"{caller} got unknown method option(s) {', '.join(unknown)} for {method.name!r}"
+            + (f" ({elsewhere})" if elsewhere else "")
+            + f"; the options of {method.name!r} are {', '.join(method.option_names) or 'none'} "
+            "(generation settings such as top_k go to generate()).")
+
+
+# ------------------------------------------------------------------------------------------------------- records
+_METHODS: dict[str, Method] = {}
+_BUILTIN: list[str] = []  # names of the built-in methods, once loaded
+
+
+def _load_builtin() -> None:
+    if _BUILTIN:
+        return
+    for module in BUILTIN_MODULES:
+        record = importlib.import_module(f"hf_specdec.proposers.{module}").METHOD
+        _BUILTIN.append(record.name)
+        _METHODS.setdefault(record.name, record)
+
+
+def builtin_methods() -> list[str]:
+    """The names of the methods built into hf_specdec (their folders ship in the package)."""
+    _load_builtin()
+    return list(_BUILTIN)
+
+
+def register(method: Method, replace: bool = False) -> Method:
+    """Add ``method`` to the registry (``replace=True`` to replace a record of the same name)."""
+    _load_builtin()
+    if method.name in _METHODS and not replace:
+        raise ValueError(f"A method named {method.name!r} is already registered (pass replace=True to replace it).")
+    taken = {s: m.name for m in _METHODS.values() if m.name != method.name for s in m.shorthands}
+    clash = [s for s in method.shorthands if s in taken or (s in _METHODS and s != method.name)]
+    if clash:
+        raise ValueError(f"Method {method.name!r}: the names {clash} are already used by other methods.")
+    _METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    """Remove the method ``name`` (a no-op when it is not registered)."""
+    _load_builtin()
+    _METHODS.pop(name, None)
+
+
+def methods() -> list[Method]:
+    """Every registered method, built-in ones first in their README order."""
+    _load_builtin()
+    return list(_METHODS.values())
+
+
+def available_methods() -> list[str]:
+    """The names of every registered method, sorted."""
+    return sorted(m.name for m in methods())
+
+
+def get(name: str) -> Method:
+    """The record of ``name``; an unknown name raises ``ValueError`` listing the registered methods."""
+    _load_builtin()
+    if name not in _METHODS:
+        raise ValueError(f"Unknown speculative decoding method {name!r}. Available: {', '.join(available_methods())}.")
+    return _METHODS[name]
+
+
+def all_option_names() -> list[str]:
+    """Every option name of any registered method (``drafter`` included), in first-seen order."""
+    return list(dict.fromkeys(name for m in methods() for name in m.option_names))
+
+
+def build_proposer(method: str, model, **opts):
+    """The proposer of ``method`` for target ``model``; ``opts`` are the method's keyword arguments (``None``: not
+    given). A drafter given as a path or Hub id is loaded once per target (:func:`load_drafter`)."""
+    record = get(method)
+    resolved = record.resolve(opts, caller="build_proposer()")
+    if record.drafter is not None:
+        resolved["drafter"] = load_drafter(record, resolved["drafter"], model)
+    return record.build(model, resolved)
+
+
+def parse_spec(spec: str) -> tuple[Method, dict]:
+    """A method string ``NAME[:ARG][:KEY=VALUE...]`` (``bench --methods``; ``NAME`` a method or one of its
+    shorthands, ``ARG`` the shorthand's argument) -> ``(method, options)``."""
+    name, *parts = spec.split(":")
+    owner = next((m for m in methods() if name in m.shorthands), None)
+    if owner is None:
+        owner = get(name)
+    opts = {}
+    args = [p for p in parts if "=" not in p]
+    if name in owner.shorthands:
+        if len(args) > 1:
+            raise ValueError(f"{spec!r}: {name} takes one argument ({owner.shorthands[name].arg}).")
+        opts.update(owner.shorthands[name].options(args[0] if args else ""))
+    elif args:
+        raise ValueError(f"{spec!r}: {name} takes options as KEY=VALUE ({', '.join(owner.option_names)}).")
+    for part in parts:
+        if "=" in part:
+            key, _, text = part.partition("=")
+            if key not in {o.name for o in owner.options}:
+                raise ValueError(_unknown_options_message(owner, [key], f"{spec!r}"))
+            opts[key] = owner.option(key).parse(text)
+    return owner, opts
+
+
+# ------------------------------------------------------------------------------------------------------ drafters
+def shipped_drafter(method: str | Method, target_id: str | None) -> Path | None:
+    """The folder of the drafter this project trained for ``target_id`` (e.g.
+    ``"HuggingFaceTB/SmolLM2-135M-Instruct"``) and ships with the package, if there is one."""
+    record = method if isinstance(method, Method) else get(method)
+    if record.drafter is None or target_id is None:
+        return None
+    name = record.drafter.shipped.get(target_id)
+    folder = DRAFTERS_DIR / name if name else None
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
+class _DrafterCache:
+    """The last few drafters loaded from a path or Hub id, keyed by method, source, target, dtype and device (and a
+    local folder's file times, so that a folder rewritten in place is read again)."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.entries: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key, target):
+        entry = self.entries.get(key)
+        if entry is None or entry[0]() is not target:
+            return None
+        self.entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key, target, drafter) -> None:
+        try:
+            ref = weakref.ref(target)
+        except TypeError:
+            return
+        self.entries[key] = (ref, drafter)
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+DRAFTER_CACHE = _DrafterCache()
+
+
+def _source_key(source) -> tuple:
+    path = Path(source)
+    if path.is_dir():
+        stamps = tuple(sorted((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in path.iterdir() if f.is_file()))
+        return (str(path.resolve()), stamps)
+    return (str(source), None)
+
+
+def load_drafter(method: str | Method, drafter, target):
+    """``method``'s drafter for ``target``: a module is checked and returned; a path or Hub id is loaded with the
+    method's loader, once per target (a small cache of the last few: later ``generate`` calls reuse it)."""
+    record = method if isinstance(method, Method) else get(method)
+    spec = record.drafter
+    if drafter is None:
+        if spec is not None and spec.required:
+            raise ValueError(f"The {record.name!r} method needs {spec.doc}: {spec.hint}.")
+        return None
+    if isinstance(drafter, torch.nn.Module):
+        if spec.accepts is not None and not isinstance(drafter, spec.accepts):
+            raise TypeError(f"The {record.name!r} method needs {spec.doc}, got {type(drafter).__name__}.")
+        module = drafter
+    elif isinstance(drafter, (str, os.PathLike)):
+        key = (record.name, _source_key(drafter), id(target), str(target.dtype), str(target.device))
+        module = DRAFTER_CACHE.get(key, target)
+        if module is None:
+            module = spec.load(drafter, target)
+            DRAFTER_CACHE.put(key, target, module)
+    else:
+        raise TypeError(f"drafter must be {spec.doc} or a path / Hub repo id, got {type(drafter).__name__}.")
+    if spec.check is not None:
+        spec.check(target, module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------- docs
+def markdown_table() -> str:
+    """The README's method table, from the records."""
+    lines = ["| method | `custom_generate=` | drafts from | options (default) | drafter shipped for SmolLM2 |",
+             "|---|---|---|---|---|"]
+    for m in methods():
+        opts = ", ".join(f"`{o.name}`" + (f" ({o.default!r})" if o.default is not None else "") for o in m.options)
+        if m.drafter is not None:
+            opts = "`drafter`" + (" (required)" if m.drafter.required else "") + (", " + opts if opts else "")
+        shipped = ", ".join(f"`hf_specdec/drafters/{v}`" for v in m.drafter.shipped.values()) if m.drafter else ""
+        lines.append(f"| {m.name} | `\"hf_specdec/{m.name}\"` | {m.summary} | {opts or '–'} | {shipped or '–'} |")
+    return "\n".join(lines)
+
+
+def describe(method: str | Method) -> str:
+    """A method's options as text (``hf-specdec methods``)."""
+    m = method if isinstance(method, Method) else get(method)
+    lines = [f"{m.name}: {m.summary}"]
+    if m.drafter is not None:
+        lines.append(f"  drafter{' (required)' if m.drafter.required else ''}: {m.drafter.doc}; {m.drafter.hint}")
+    for o in m.options:
+        choices = f" {{{', '.join(map(str, o.choices))}}}" if o.choices else ""
+        lines.append(f"  {o.name} ({o.type_name}{choices}, default {o.default!r}): {o.doc}")
+    for short, s in m.shorthands.items():
+        lines.append(f"  bench: {short}{':' + s.arg if s.arg else ''}")
+    return "\n".join(lines)

@@ -1,0 +1,207 @@
+"""How the loop runs the target: the one seam between the decoding loop and the model.
+
+The loop never calls the target itself. Per ``generate`` call it opens a :class:`TargetSession` from a
+:class:`TargetRunner` and goes through it for the prefill, every verification of a draft tree and the cost
+calibration; the session also brackets every proposal (:meth:`TargetSession.drafting`). A runner lives across calls
+(one per model and kind, :func:`runner_for`): it keeps the measured forward costs per batch size, and a backend may
+keep its own state there (the CPU kernel runner's timing cache).
+
+Backend speed tricks are runners of their own: :class:`hf_specdec.kernels.CpuKernelRunner` (small-row products and
+grouped-query attention without copying the cache, for CPU targets) is the one there is today. The entry points
+choose the runner (:func:`runner_for`); the loop and the proposers know only this interface.
+
+Example::
+
+    runner = runner_for(model)                      # CpuKernelRunner on a CPU, TargetRunner elsewhere
+    with runner.session(cache, hidden_states=[2, 15, 27]) as target:
+        first_logits, hidden = target.prefill(input_ids, attention_mask, positions)
+        ...
+        logits, hidden = target.verify(state, tree)  # [B, N, V] fp32: one forward over every tree node
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import weakref
+
+import torch
+
+from . import cache as cache_ops
+from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
+from .tree import build_attention_mask
+
+KERNELS_ENV = "HF_SPECDEC_VERIFY_KERNELS"  # "0": CPU targets run with the model's own kernels (TargetRunner)
+
+
+class TargetSession:
+    """One ``generate`` call's access to the target model (returned by :meth:`TargetRunner.session`).
+
+    Args:
+        runner: the runner that opened it.
+        cache: the target's KV cache for the call (empty; the loop edits it between forwards).
+        hidden_states: ``hidden_states`` indices every forward must return (the proposer's), or ``None``.
+        drafters: modules only drafting runs (:meth:`hf_specdec.proposers.Proposer.draft_modules`); a backend may
+            give them faster kernels for the call.
+    """
+
+    def __init__(self, runner: "TargetRunner", cache, hidden_states: list[int] | None = None, drafters=()):
+        self.runner = runner
+        self.model = runner.model
+        self.cache = cache
+        self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
+        self.static = cache_ops.is_static(cache)
+        self.text_config = self.model.config.get_text_config()
+        self.dtype = self.model.dtype
+        self.wants_hidden = bool(hidden_states)
+        self.forward_kwargs = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
+
+    # ---- backend hooks (the plain runner: the model's own code path)
+    def __enter__(self) -> "TargetSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def drafting(self) -> contextlib.AbstractContextManager:
+        """Around every proposal: work inside is drafting cost."""
+        return contextlib.nullcontext()
+
+    def forward_context(self, tokens_per_row: int) -> contextlib.AbstractContextManager:
+        """Around every target forward that scores ``tokens_per_row`` new tokens per row after the prefill."""
+        return contextlib.nullcontext()
+
+    # ---- what the loop asks of the target
+    @property
+    def kv_width(self) -> int | None:
+        """Key length of the attention masks: a static cache's full length (``None``: cached + new columns)."""
+        return self.cache.get_max_length() if self.static else None
+
+    def forward(self, input_ids, attention_mask, position_ids, with_hidden: bool = True):
+        """One target forward over ``input_ids [B, q]`` after the cached columns (``q >= 1``)."""
+        kwargs = self.forward_kwargs if with_hidden else {}
+        with self.forward_context(input_ids.shape[1]):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              cache=self.cache, use_cache=True, return_dict=True, **kwargs)
+
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, positions: torch.LongTensor):
+        """The prompt forward, fed as plain ``generate()`` feeds it. Returns ``(logits [B, V] fp32 of the last
+        position, hidden_states or None)``."""
+        bsz, length = input_ids.shape
+        kwargs = dict(self.forward_kwargs)
+        if self.model._supports_logits_to_keep():
+            kwargs["logits_to_keep"] = 1
+        if self.static:
+            causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()[None]
+            mask = build_attention_mask(self.text_config, attention_mask.new_zeros((bsz, 0), dtype=torch.bool),
+                                        positions[:, :0], positions, causal & attention_mask.bool()[:, None, :],
+                                        self.dtype, kv_width=self.kv_width)
+        else:
+            mask = None if bool((attention_mask == 1).all()) else attention_mask
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+                         use_cache=True, return_dict=True, **kwargs)
+        return out.logits[:, -1].to(copy=True, dtype=torch.float32), self._hidden(out)
+
+    def verify(self, state, tree):
+        """One forward over every node of ``tree`` (``DraftTree``, ``N`` nodes per row) at positions
+        ``root_position + depth``, with the tree mask over the cache layout. Returns ``(logits [B, N, V] fp32,
+        hidden_states or None)``; the cache then holds the ``N`` new columns after ``state.layout.length``."""
+        positions = state.root_positions[:, None] + tree.depths  # [B, N]
+        mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, positions,
+                                    tree.ancestors, self.dtype, kv_width=self.kv_width)
+        out = self.forward(tree.tokens, mask, positions)
+        return out.logits.float(), self._hidden(out)
+
+    def calibrate(self, state, max_nodes: int) -> None:
+        """Time one forward per draft size the proposer may use, once per runner and batch size.
+
+        The draft-length rules pick lengths from these costs (:mod:`hf_specdec.costs`); measuring them up front
+        avoids never trying a size whose cost was guessed wrong. The forwards are undone by cropping the cache.
+        """
+        sizes = state.cost_model.calibration_sizes(max_nodes)
+        if not sizes:
+            return
+        past = state.layout.length
+        roots = state.roots()
+        for i, q in enumerate([1] + sizes):  # the first one-token forward only warms up
+            tokens = roots[:, None].expand(-1, q)
+            pos = state.root_positions[:, None] + torch.arange(q, device=state.device)
+            causal = torch.ones(q, q, dtype=torch.bool, device=state.device).tril().expand(state.batch_size, q, q)
+            mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, pos, causal,
+                                        self.dtype, kv_width=self.kv_width)
+            t0 = time.perf_counter()
+            self.forward(tokens, mask, pos, with_hidden=False)
+            if state.device.type == "cuda":
+                torch.cuda.synchronize(state.device)
+            if i > 0:
+                state.cost_model.record(q, time.perf_counter() - t0)
+            cache_ops.crop(self.cache, past)
+
+    def _hidden(self, out):
+        return getattr(out, "hidden_states", None) if self.wants_hidden else None
+
+
+class TargetRunner:
+    """Runs a target model for the decoding loop with the model's own code path.
+
+    Kept across ``generate`` calls (:func:`runner_for`): it holds the measured forward costs of its model, one
+    :class:`~hf_specdec.costs.ForwardCostModel` per device type and batch size. A backend subclass sets
+    :attr:`session_class` (and :attr:`cost_prior`) and keeps its own state on the instance.
+    """
+
+    name = "plain"
+    session_class = TargetSession
+
+    def __init__(self, model):
+        self.model = model
+        self.costs: dict[tuple[str, int], ForwardCostModel] = {}
+
+    @classmethod
+    def applies_to(cls, model) -> bool:
+        """Whether this runner can run ``model`` (the plain runner runs any model)."""
+        return True
+
+    @property
+    def cost_prior(self) -> dict[int, float]:
+        """Relative forward costs assumed before any is measured."""
+        return _CPU_OWN_PRIOR if _device_type(self.model) == "cpu" else _GPU_PRIOR
+
+    def cost_model(self, batch_size: int) -> ForwardCostModel:
+        key = (_device_type(self.model), batch_size)
+        if key not in self.costs:
+            self.costs[key] = ForwardCostModel(key[0], prior=self.cost_prior)
+        return self.costs[key]
+
+    def session(self, cache, hidden_states: list[int] | None = None, drafters=()) -> TargetSession:
+        """The target for one ``generate`` call (a context manager)."""
+        return self.session_class(self, cache, hidden_states, drafters)
+
+
+def _device_type(model) -> str:
+    try:
+        return next(model.parameters()).device.type
+    except StopIteration:
+        return "cpu"
+
+
+_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {runner name: runner}
+
+
+def runner_for(model, kernels: bool | None = None) -> TargetRunner:
+    """The runner for ``model``: :class:`~hf_specdec.kernels.CpuKernelRunner` for a model on the CPU, else
+    :class:`TargetRunner`; ``kernels=False`` (or ``HF_SPECDEC_VERIFY_KERNELS=0`` when ``kernels`` is ``None``, read
+    here, at the entry point) takes the plain runner everywhere. One runner per model and kind is kept, so later
+    calls reuse what earlier ones measured."""
+    from .kernels import CpuKernelRunner
+
+    if kernels is None:
+        kernels = os.environ.get(KERNELS_ENV, "1") != "0"
+    cls = CpuKernelRunner if kernels and CpuKernelRunner.applies_to(model) else TargetRunner
+    try:
+        per_model = _RUNNERS.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: a fresh runner per call
+        return cls(model)
+    if cls.name not in per_model:
+        per_model[cls.name] = cls(model)
+    return per_model[cls.name]
