@@ -16,6 +16,7 @@ from ..tree import DraftTree, build_attention_mask
 from .base import Proposer
 
 CONSTANT_TOKENS = 5  # the draft length of draft_length_schedule="constant" when num_speculative_tokens is not given
+MAX_TOKENS = 12  # the longest draft the adaptive length may choose
 
 
 def check_same_vocabulary(target, drafter, what: str = "drafter") -> None:
@@ -76,7 +77,7 @@ class DraftModelProposer(Proposer):
 
     name = "assisted"
 
-    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 12, draft_vocab=None):
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = MAX_TOKENS, draft_vocab=None):
         if num_tokens is not None and num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}.")
         self.drafter = drafter
@@ -232,7 +233,7 @@ METHOD = Method(
     build=_build,
     options=(
         Option("num_speculative_tokens", int, None,
-               f"fixed draft length (default: chosen per step from measured costs, up to 12; {CONSTANT_TOKENS} with "
+               f"fixed draft length (default: chosen per step from measured costs, up to {MAX_TOKENS}; {CONSTANT_TOKENS} with "
                "draft_length_schedule='constant')"),
         SCHEDULE,
         Option("draft_vocab", object, None,
