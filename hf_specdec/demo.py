@@ -6,7 +6,6 @@ import os
 import statistics
 import sysconfig
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -51,37 +50,9 @@ def _encode(tokenizer, prompt):
 
 
 SHIPPED = registry.DRAFTERS_DIR
-
-
-class _ShippedNames(Mapping):
-    """method -> folder name of the drafter shipped for the default model (read from the registry)."""
-
-    def _names(self) -> dict[str, str]:
-        return {m.name: m.drafter.shipped[MODEL_ID] for m in registry.methods()
-                if m.drafter is not None and MODEL_ID in m.drafter.shipped}
-
-    def __getitem__(self, method: str) -> str:
-        return self._names()[method]
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-
-SHIPPED_NAMES = _ShippedNames()
-
-
-def shipped_drafter(name: str) -> Path | None:
-    """A drafter trained by this project and shipped with the package (``hf_specdec/drafters/<name>``), if present."""
-    folder = SHIPPED / name
-    return folder if (folder / "config.json").is_file() else None
-
-
-def drafter_flag(method: registry.Method) -> str:
-    """The command-line option (and keyword of :func:`available_demo_methods`) naming ``method``'s drafter."""
-    return method.drafter.flag or method.name
+SHIPPED_NAMES = {m.name: m.drafter.shipped[MODEL_ID] for m in registry.methods()
+                 if m.drafter is not None and MODEL_ID in m.drafter.shipped}  # the default model's, by method
+shipped_drafter = registry.shipped_folder  # by folder name: hf_specdec/drafters/<name>, if present
 
 
 def available_demo_methods(model, drafters: dict | None = None, **by_flag) -> dict[str, dict]:
@@ -89,8 +60,8 @@ def available_demo_methods(model, drafters: dict | None = None, **by_flag) -> di
     (a trained folder by its flag: ``eagle3="runs/eagle3/final"``, ``dflash=...``, ``drafter=...`` for
     ``assisted``; or ``drafters={method: source}``) or ships with the package. Returns the ``decoding_method``
     options of each (the drafter loaded)."""
-    given = {**{drafter_flag(registry.get(m)): src for m, src in (drafters or {}).items()}, **by_flag}
-    unknown = set(given) - {drafter_flag(m) for m in registry.methods() if m.drafter is not None}
+    given = {**{registry.get(m).drafter_flag: src for m, src in (drafters or {}).items()}, **by_flag}
+    unknown = set(given) - {m.drafter_flag for m in registry.methods() if m.drafter is not None}
     if unknown:
         raise ValueError(f"No method takes a drafter named {', '.join(sorted(unknown))}.")
     methods = {}
@@ -98,7 +69,7 @@ def available_demo_methods(model, drafters: dict | None = None, **by_flag) -> di
         if m.drafter is None:
             methods[m.name] = {}
             continue
-        source = given.get(drafter_flag(m)) or registry.shipped_drafter(m, MODEL_ID)
+        source = given.get(m.drafter_flag) or registry.shipped_drafter(m, MODEL_ID)
         if source is not None:
             methods[m.name] = {"drafter": registry.load_drafter(m, source, model)}
     return methods
@@ -125,7 +96,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     candidates = available_demo_methods(model, drafters=drafters, **given)
     missing = [m for m in methods or () if m not in candidates]
     if missing:
-        flags = ", ".join(f"--{drafter_flag(registry.get(m))} FOLDER" for m in missing)
+        flags = ", ".join(f"--{registry.get(m).drafter_flag} FOLDER" for m in missing)
         raise ValueError(f"{', '.join(missing)}: no drafter ships for {MODEL_ID}; pass one ({flags}).")
     chosen = {m: candidates[m] for m in (methods or candidates)}
     prompts = demo_prompts()

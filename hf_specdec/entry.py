@@ -54,13 +54,13 @@ def decoding_method(method, **defaults) -> Callable:
     (``custom_generate="hf_specdec/<method>"``) for streaming, and ``drafter=`` for the draft model.
     """
     if isinstance(method, Proposer):
-        fixed, record, label = method, None, method.name
+        fixed, label = method, method.name
         if defaults:
             raise ValueError(f"decoding_method() got method option(s) {', '.join(sorted(defaults))} for a Proposer "
                              "instance; configure the proposer itself.")
     else:
-        fixed, record, label = None, registry.get(method), method
-        record.resolve(defaults, caller="decoding_method()")  # unknown or invalid options fail here, not later
+        fixed, label = None, method
+        registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at the first generate() call
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
         given = _take_options(kwargs)
@@ -108,7 +108,7 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
                          assistant_model=None, streamer=None, negative_prompt_ids=None,
                          negative_prompt_attention_mask=None, **kwargs):
     """The body of every ``custom_generate/generate.py``: ``generate()``'s arguments in, sequences out."""
-    record = registry.get(method)
+    registry.get(method)  # an unknown name fails first
     opts = _take_options(kwargs)
     if assistant_model is not None:
         if opts.get("drafter") is not None:
@@ -118,7 +118,6 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         if kwargs.get(key) is not None:
             raise ValueError(f"{key}= selects one of transformers' own assisted modes; it cannot be combined with "
                              f"custom_generate='hf_specdec/{method}'. Drop one of the two.")
-    record.resolve(opts)  # unknown or invalid options fail before anything runs
     _check_lengths(inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
     stop, generation_config = _take_stop_strings(model, generation_config, kwargs)
     if stop is not None:

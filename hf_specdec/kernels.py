@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from .costs import _CPU_PRIOR
-from .runners import TargetRunner, TargetSession, runner_for
+from .runners import TargetRunner, TargetSession, device_type_of, runner_for
 
 ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
@@ -173,7 +173,7 @@ class VerifyKernels:
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
         self.configs: list = []
-        self.enabled = enabled and _on_cpu(model)
+        self.enabled = enabled and device_type_of(model) == "cpu"
 
     def __enter__(self) -> "VerifyKernels":
         if not self.enabled:
@@ -275,7 +275,7 @@ class CpuKernelRunner(TargetRunner):
 
     @classmethod
     def applies_to(cls, model) -> bool:
-        return _on_cpu(model)
+        return device_type_of(model) == "cpu"
 
     @property
     def cost_prior(self) -> dict[int, float]:
@@ -289,13 +289,6 @@ def plain_cpu_linears(model) -> list[torch.nn.Linear]:
             if type(m) is torch.nn.Linear and "forward" not in m.__dict__ and not hasattr(m, "_hf_hook")
             and m.weight.is_floating_point() and m.weight.device.type == "cpu"
             and not m._forward_hooks and not m._forward_pre_hooks]
-
-
-def _on_cpu(model) -> bool:
-    try:
-        return next(model.parameters()).device.type == "cpu"
-    except StopIteration:
-        return False
 
 
 @contextlib.contextmanager

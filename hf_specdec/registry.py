@@ -164,10 +164,29 @@ class Method:
         return {o.name: o for o in self.options}[name]
 
     @property
+    def drafter_flag(self) -> str | None:
+        """The command-line option naming its drafter in ``demo`` / ``bench`` (``None``: no drafter)."""
+        return None if self.drafter is None else (self.drafter.flag or self.name)
+
+    @property
+    def train_name(self) -> str | None:
+        """What ``hf-specdec train`` calls its drafter (``None``: no trainer)."""
+        return None if self.drafter is None or self.drafter.train is None else (self.drafter.train_name or self.name)
+
+    def parse_option(self, text: str) -> tuple[str, Any]:
+        """``"KEY=VALUE"`` (a command-line string) -> ``(key, value)`` of one of its options."""
+        key, sep, value = text.partition("=")
+        if not sep:
+            raise ValueError(f"{text!r}: method options are given as KEY=VALUE.")
+        if key not in {o.name for o in self.options}:
+            raise ValueError(_unknown_options_message(self, [key]))
+        return key, self.option(key).parse(value)
+
+    @property
     def option_names(self) -> list[str]:
         return [o.name for o in self.options] + (["drafter"] if self.drafter else [])
 
-    def resolve(self, given: dict, caller: str = "generate()") -> dict:
+    def resolve(self, given: dict) -> dict:
         """Every option's value (``given`` first, ``None`` meaning not given), checked; ``"drafter"`` as given."""
         unknown = sorted(k for k in set(given) - set(self.option_names) if given[k] is not None)
         if "drafter" in unknown:
@@ -177,20 +196,24 @@ class Method:
                              "custom_generate='hf_specdec/assisted').")
         unknown = [k for k in unknown if k != "drafter"]
         if unknown:
-            raise ValueError(_unknown_options_message(self, unknown, caller))
+            raise ValueError(_unknown_options_message(self, unknown))
         opts = {o.name: o.check(self.name, given.get(o.name)) for o in self.options}
         if self.drafter is not None:
             opts["drafter"] = given.get("drafter")
         return opts
 
 
-def _unknown_options_message(method: Method, unknown: list[str], caller: str) -> str:
+def _unknown_options_message(method: Method, unknown: list[str]) -> str:
     owners = {k: [m.name for m in methods() if k in m.option_names] for k in unknown}
     elsewhere = "; ".join(f"{k} is an option of {', '.join(v)}" for k, v in owners.items() if v)
-    return (f"{caller} got unknown method option(s) {', '.join(unknown)} for {method.name!r}"
+    return (f"Got unknown method option(s) {', '.join(unknown)} for {method.name!r}"
             + (f" ({elsewhere})" if elsewhere else "")
             + f"; the options of {method.name!r} are {', '.join(method.option_names) or 'none'} "
             "(generation settings such as top_k go to generate()).")
+
+
+class UnknownMethodError(ValueError):
+    """A method name that is not registered."""
 
 
 # ------------------------------------------------------------------------------------------------------- records
@@ -247,7 +270,8 @@ def get(name: str) -> Method:
     """The record of ``name``; an unknown name raises ``ValueError`` listing the registered methods."""
     _load_builtin()
     if name not in _METHODS:
-        raise ValueError(f"Unknown speculative decoding method {name!r}. Available: {', '.join(available_methods())}.")
+        raise UnknownMethodError(f"Unknown speculative decoding method {name!r}. "
+                                 f"Available: {', '.join(available_methods())}.")
     return _METHODS[name]
 
 
@@ -260,7 +284,7 @@ def build_proposer(method: str, model, **opts):
     """The proposer of ``method`` for target ``model``; ``opts`` are the method's keyword arguments (``None``: not
     given). A drafter given as a path or Hub id is loaded once per target (:func:`load_drafter`)."""
     record = get(method)
-    resolved = record.resolve(opts, caller="build_proposer()")
+    resolved = record.resolve(opts)
     if record.drafter is not None:
         resolved["drafter"] = load_drafter(record, resolved["drafter"], model)
     return record.build(model, resolved)
@@ -281,12 +305,7 @@ def parse_spec(spec: str) -> tuple[Method, dict]:
         opts.update(owner.shorthands[name].options(args[0] if args else ""))
     elif args:
         raise ValueError(f"{spec!r}: {name} takes options as KEY=VALUE ({', '.join(owner.option_names)}).")
-    for part in parts:
-        if "=" in part:
-            key, _, text = part.partition("=")
-            if key not in {o.name for o in owner.options}:
-                raise ValueError(_unknown_options_message(owner, [key], f"{spec!r}"))
-            opts[key] = owner.option(key).parse(text)
+    opts.update(owner.parse_option(part) for part in parts if "=" in part)
     return owner, opts
 
 
@@ -295,11 +314,15 @@ def shipped_drafter(method: str | Method, target_id: str | None) -> Path | None:
     """The folder of the drafter this project trained for ``target_id`` (e.g.
     ``"HuggingFaceTB/SmolLM2-135M-Instruct"``) and ships with the package, if there is one."""
     record = method if isinstance(method, Method) else get(method)
-    if record.drafter is None or target_id is None:
+    if record.drafter is None or target_id not in record.drafter.shipped:
         return None
-    name = record.drafter.shipped.get(target_id)
-    folder = DRAFTERS_DIR / name if name else None
-    return folder if folder is not None and (folder / "config.json").is_file() else None
+    return shipped_folder(record.drafter.shipped[target_id])
+
+
+def shipped_folder(name: str) -> Path | None:
+    """``hf_specdec/drafters/<name>``, if it holds a drafter (a checkout may lack the shipped weights)."""
+    folder = DRAFTERS_DIR / name
+    return folder if (folder / "config.json").is_file() else None
 
 
 class _DrafterCache:

@@ -165,10 +165,10 @@ class TargetRunner:
     @property
     def cost_prior(self) -> dict[int, float]:
         """Relative forward costs assumed before any is measured."""
-        return _CPU_OWN_PRIOR if _device_type(self.model) == "cpu" else _GPU_PRIOR
+        return _CPU_OWN_PRIOR if device_type_of(self.model) == "cpu" else _GPU_PRIOR
 
     def cost_model(self, batch_size: int) -> ForwardCostModel:
-        key = (_device_type(self.model), batch_size)
+        key = (device_type_of(self.model), batch_size)
         if key not in self.costs:
             self.costs[key] = ForwardCostModel(key[0], prior=self.cost_prior)
         return self.costs[key]
@@ -178,7 +178,7 @@ class TargetRunner:
         return self.session_class(self, cache, hidden_states, drafters)
 
 
-def _device_type(model) -> str:
+def device_type_of(model) -> str:
     try:
         return next(model.parameters()).device.type
     except StopIteration:

@@ -219,3 +219,7 @@ def test_cli_reads_the_registry(capsys):
     with pytest.raises(SystemExit):  # argparse: not a registered method
         cli.main(["generate", "x", "--method", "nope"])
     assert cli._split_methods(["prompt_lookup,eagle3", "dflash"]) == ["prompt_lookup", "eagle3", "dflash"]
+    with pytest.raises(SystemExit, match="unknown method option.*top_k.*options of 'eagle3' are tree_top_k"):
+        cli.main(["generate", "x", "--method", "eagle3", "-o", "top_k=2"])  # refused before any model loads
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        cli.main(["generate", "x", "-o", "prompt_lookup_num_tokens"])

@@ -184,14 +184,12 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
             continue
         try:
             record, opts = registry.parse_spec(name)
-        except ValueError as err:
-            if "Unknown speculative decoding method" not in str(err):
-                raise
+        except registry.UnknownMethodError:
             raise ValueError(f"Unknown benchmark method {name!r}: the methods are "
                              f"{', '.join(dict.fromkeys(n for m in registry.methods() for n in [m.name, *m.shorthands]))}, "
                              f"and the baselines {', '.join(BASELINES)}.") from None
         if record.drafter is not None:
-            flag = record.drafter.flag or record.name
+            flag = record.drafter_flag
             module = by_flag.get(flag)
             if module is None and record.drafter.required:
                 raise ValueError(f"method {name!r} needs --{flag}" + (" <drafter>" if flag != "drafter" else ""))
