@@ -19,19 +19,32 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None, allow
                    ) -> Path:
     """A local folder as is, or a Hub repo id downloaded (only ``allow_patterns``) with huggingface_hub.
 
-    Offline (``HF_HUB_OFFLINE=1``, or no network) a repo already in the local Hub cache is used.
+    Offline (``HF_HUB_OFFLINE=1``, or no network) a repo already in the local Hub cache is used. A path that does
+    not exist and cannot be a Hub repo id (``/abs/path``, ``./x``, ``a/b/c``) is reported as a missing path.
     """
-    path = Path(source)
+    path = Path(source).expanduser()
     if path.is_dir():
         return path
+    text = os.fspath(source)
+    if path.exists():
+        raise ConversionError(f"{text} is a file; give the folder that holds config.json and the weights.")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    try:
+        validate_repo_id(text)
+        is_repo_id = "\\" not in text and not text.startswith((".", "~"))
+    except HFValidationError:
+        is_repo_id = False
+    if not is_repo_id:
+        raise FileNotFoundError(f"{text} does not exist (looked from {os.getcwd()}), and it cannot be a Hub repo id.")
     patterns = allow_patterns or (["config.json", "*.json"] + WEIGHT_PATTERNS)
     try:
-        return Path(snapshot_download(str(source), revision=revision, allow_patterns=patterns))
+        return Path(snapshot_download(text, revision=revision, allow_patterns=patterns))
     except Exception as err:  # huggingface_hub raises several types (offline, not found, gated)
-        raise ConversionError(f"Could not fetch {source!r} (revision {revision or 'main'}) from the Hub or the local "
-                              f"cache: {err}") from err
+        raise ConversionError(f"{text!r} is not a local folder (looked from {os.getcwd()}), and as a Hub repo id "
+                              f"(revision {revision or 'main'}) it could not be fetched from the Hub or found in the "
+                              f"local cache: {err}") from err
 
 
 def read_config(folder: Path) -> dict:
@@ -44,6 +57,89 @@ def read_config(folder: Path) -> dict:
         raise ConversionError(f"{path} is not valid JSON: {err}") from err
 
 
+def check_weight_files(folder: Path) -> None:
+    """Raise a clear error for a ``*.safetensors`` file in ``folder`` that is cut short or corrupt (its header does not
+    describe the file: an interrupted download or copy), naming the file. Reads headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except (SafetensorError, OSError, ValueError) as err:
+            raise ConversionError(
+                f"{f} is incomplete or corrupt ({f.stat().st_size:,} bytes; safetensors says: {err}). It was "
+                "probably cut off while downloading or copying: download it again (for a Hub repo, "
+                "`huggingface-cli download <repo> --force-download`, or delete it from the Hub cache).") from err
+
+
+def weight_shapes(folder: Path) -> dict[str, tuple]:
+    """``{key: shape}`` of every tensor in the folder's safetensors files, from their headers (nothing is loaded)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                shapes[key] = tuple(handle.get_slice(key).get_shape())
+    return shapes
+
+
+# config fields a shape can come from, most telling first
+_SHAPE_FIELDS = ("hidden_size", "target_hidden_size", "intermediate_size", "vocab_size", "draft_vocab_size",
+                 "head_dim", "num_attention_heads", "num_key_value_heads", "n_embd", "n_inner", "n_head")
+
+
+def check_config_matches_weights(folder: Path, config, build) -> None:
+    """Refuse a folder whose ``config.json`` disagrees with its weights, naming the config field and both values.
+
+    ``build(config)`` makes the model the config describes; it is built on the meta device (no memory) and its
+    parameter shapes are compared with the safetensors headers. transformers would report the same as a "mismatched
+    sizes" load report and suggest ``ignore_mismatched_sizes``, which would silently drop those weights.
+    """
+    shapes = weight_shapes(folder)
+    if not shapes:
+        return
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in build(config).state_dict().items()}
+    wrong = [(k, shapes[k], expected[k]) for k in sorted(shapes) if k in expected and shapes[k] != expected[k]]
+    if not wrong:
+        return
+    key, got, want = wrong[0]
+    field = _field_behind(config, wrong)
+    more = f"; {len(wrong) - 1} more tensor(s) differ" if len(wrong) > 1 else ""
+    said = (f"config.json says {field[0]}={field[1]}, but the weights were made with {field[0]}={field[2]}"
+            if field else "config.json and the weights disagree")
+    raise ConversionError(
+        f"{folder}: {said} ({key} is {list(got)} in the weights, the config expects {list(want)}{more}). The config "
+        "and the weights come from different models: fix config.json, or download both again. (Do not pass "
+        "ignore_mismatched_sizes: it would drop these weights and draft with random ones.)")
+
+
+def _field_behind(config, wrong) -> tuple[str, int, int] | None:
+    """``(field, config value, value the weights imply)`` that best explains the mismatched shapes, or ``None``."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fields = [(name, getattr(text, name)) for name in _SHAPE_FIELDS
+              if isinstance(getattr(text, name, None), int) and getattr(text, name) > 1]
+    votes: dict[tuple[str, int, int], float] = {}
+    for _, got, want in wrong:
+        if len(got) != len(want):
+            continue
+        for g, w in zip(got, want):
+            if g == w:
+                continue
+            for rank, (name, value) in enumerate(fields):
+                if w == value:
+                    implied, weight = g, 2.0
+                elif w % value == 0 and (g * value) % w == 0:
+                    implied, weight = g * value // w, 1.0
+                else:
+                    continue
+                vote = (name, value, implied)
+                votes[vote] = votes.get(vote, 0.0) + weight - rank * 1e-3
+    return max(votes, key=votes.get) if votes else None
+
+
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint: safetensors files, else ``pytorch_model*.bin`` read with
     ``torch.load(weights_only=True)`` (no code from a downloaded file is ever executed)."""
@@ -53,21 +149,19 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     if not safetensors_files and not bin_files:
         raise ConversionError(f"{folder} has no weights (*.safetensors or pytorch_model.bin).")
     if safetensors_files:
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        check_weight_files(folder)
         for f in safetensors_files:
-            try:
-                tensors.update(load_file(str(f)))
-            except (SafetensorError, OSError, ValueError) as err:
-                raise ConversionError(f"{f.name} is corrupt or truncated: {err}") from err
+            tensors.update(load_file(str(f)))
     else:
         for f in bin_files:
             try:
                 state = torch.load(str(f), map_location="cpu", weights_only=True)
             except Exception as err:  # pickle/zip errors of a truncated or foreign file
-                raise ConversionError(f"{f.name} is corrupt, truncated or not a plain state dict "
-                                      f"(loaded with weights_only=True): {err}") from err
+                raise ConversionError(f"{f} is incomplete, corrupt or not a plain state dict (loaded with "
+                                      f"weights_only=True): {err}. If it was cut off while downloading or copying, "
+                                      "download it again.") from err
             if not isinstance(state, dict):
                 raise ConversionError(f"{f.name} does not hold a state dict.")
             tensors.update(state)
@@ -100,7 +194,9 @@ def load_converted_or_published(source: str | os.PathLike, target, model_cls, co
     (its ``config.json`` names ``model_cls``'s model type) loads with ``from_pretrained``; a published layout is
     converted in memory with ``convert``. On the target's device and dtype, in eval mode."""
     folder = resolve_source(source)
+    check_weight_files(folder)
     if read_config(folder).get("model_type") == model_cls.config_class.model_type:
+        check_config_matches_weights(folder, model_cls.config_class.from_pretrained(str(folder)), model_cls)
         model = model_cls.from_pretrained(str(folder), dtype=target.dtype)
     else:
         model = convert(folder, dtype=target.dtype)

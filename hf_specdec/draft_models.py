@@ -78,13 +78,17 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
     """Load a draft model for ``target``. A folder saved by :func:`save_draft_model` gets the target's embeddings and
     head (its hidden size and vocabulary are checked against the target's); any other folder or Hub id loads with
     ``AutoModelForCausalLM.from_pretrained``. The model is put on the target's device and dtype, in eval mode."""
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = str(path)
+    from .conversions.common import check_config_matches_weights
+    from .registry import drafter_source
+
+    path = drafter_source(path) if revision is None else str(path)
     config = AutoConfig.from_pretrained(path, revision=revision)
     if not getattr(config, SHARED_FLAG, False):
+        if Path(path).is_dir():
+            check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=target.dtype)
         return model.to(target.device).eval()
     text, mine = target.config.get_text_config(), config.get_text_config()
@@ -93,11 +97,11 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
             raise ValueError(f"The draft model at {path} was trained for a target with {field}="
                              f"{getattr(mine, field)}, but this target has {field}={getattr(text, field)}: it "
                              "shares the target's embeddings, so it only works with the target it was trained for.")
-    try:
-        state = load_file(_resolve(path, WEIGHTS, revision))
-    except SafetensorError as err:
-        raise ValueError(f"The weights of the draft model at {path} are corrupt or truncated ({err}).") from err
+    if Path(path).is_dir():
+        check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
+    state = load_file(_resolve(path, WEIGHTS, revision))
     vocab = state.pop(VOCAB_KEY, None)
+    config._name_or_path = path  # where its tokenizer, if saved, is found (hf_specdec.identity)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     shared = _shared_keys(model)
     expected = set(model.state_dict()) - shared

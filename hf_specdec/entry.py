@@ -18,6 +18,8 @@ The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :fu
 from __future__ import annotations
 
 import inspect
+import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -63,6 +65,7 @@ def decoding_method(method, **defaults) -> Callable:
         registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at the first generate() call
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
+        _warn_dropped_streamer(label)
         given = _take_options(kwargs)
         if fixed is not None:
             if given:
@@ -83,6 +86,23 @@ def decoding_method(method, **defaults) -> Callable:
     run.__name__ = f"hf_specdec_{label}"
     run.__doc__ = f"hf_specdec speculative decoding, method {label!r}."
     return run
+
+
+def _warn_dropped_streamer(label: str) -> None:
+    """transformers hands a decoding callable no ``streamer`` (it only receives the prompt): say so rather than let a
+    stream stop silently. The streamer is looked up in the calling ``generate()`` frame."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return
+        if frame.f_code.co_name == "generate" and "custom_generate" in frame.f_locals:
+            if frame.f_locals.get("streamer") is not None:
+                warnings.warn(f"transformers does not pass streamer= to a custom_generate callable, so the streamer "
+                              f"gets the prompt only. To stream, use the folder form: custom_generate="
+                              f"'hf_specdec/{label}' (or hf_specdec.custom_generate_path({label!r})) with "
+                              "trust_remote_code=True.", UserWarning, stacklevel=4)
+            return
+        frame = frame.f_back
 
 
 def _take_stop_strings(model, generation_config, kwargs):

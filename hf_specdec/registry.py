@@ -310,10 +310,22 @@ def parse_spec(spec: str) -> tuple[Method, dict]:
 
 
 # ------------------------------------------------------------------------------------------------------ drafters
-def shipped_drafter(method: str | Method, target_id: str | None) -> Path | None:
-    """The folder of the drafter this project trained for ``target_id`` (e.g.
-    ``"HuggingFaceTB/SmolLM2-135M-Instruct"``) and ships with the package, if there is one."""
+def shipped_drafter(method: str | Method, target=None) -> Path | None:
+    """The folder of the drafter this project trained and ships with the package for ``target``, if there is one.
+
+    ``target`` is a target id (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``), a loaded model (recognised by its
+    config and vocabulary, :func:`hf_specdec.identity.identify`, not by its path) or ``None`` for the embedded
+    default model.
+
+    Example:
+        >>> hf_specdec.shipped_drafter("eagle3")  # doctest: +SKIP
+        PosixPath('.../hf_specdec/drafters/smollm2-135m-instruct-eagle3')
+    """
+    from . import identity
+    from .default_model import MODEL_ID
+
     record = method if isinstance(method, Method) else get(method)
+    target_id = MODEL_ID if target is None else target if isinstance(target, str) else identity.identify(target)
     if record.drafter is None or target_id not in record.drafter.shipped:
         return None
     return shipped_folder(record.drafter.shipped[target_id])
@@ -323,6 +335,46 @@ def shipped_folder(name: str) -> Path | None:
     """``hf_specdec/drafters/<name>``, if it holds a drafter (a checkout may lack the shipped weights)."""
     folder = DRAFTERS_DIR / name
     return folder if (folder / "config.json").is_file() else None
+
+
+SHIPPED_PREFIX = "hf_specdec/drafters/"  # how the README names the shipped drafters; read from any directory
+
+
+def drafter_source(source) -> str:
+    """Where a drafter given as a path or Hub id is read from: an existing local folder; ``hf_specdec/drafters/<name>``
+    (a shipped drafter, from any working directory); else a Hub repo id, fetched (or found in the local Hub cache)
+    here. A missing path, a file, or an incomplete weight file is reported as such (:mod:`hf_specdec.conversions`)."""
+    from .conversions.common import WEIGHT_PATTERNS, check_weight_files, resolve_source
+
+    text = os.fspath(source)
+    if not Path(text).expanduser().exists() and text.replace("\\", "/").startswith(SHIPPED_PREFIX):
+        name = text.replace("\\", "/")[len(SHIPPED_PREFIX):].strip("/")
+        folder = shipped_folder(name)
+        if folder is None:
+            shipped = sorted(p.name for p in DRAFTERS_DIR.iterdir() if (p / "config.json").is_file()) \
+                if DRAFTERS_DIR.is_dir() else []
+            raise FileNotFoundError(f"{text} does not exist: hf_specdec ships no drafter {name!r} (shipped: "
+                                    f"{', '.join(shipped) or 'none in this install'}).")
+        text = str(folder)
+    folder = resolve_source(text, allow_patterns=["*.json", "*.txt", "*.model"] + WEIGHT_PATTERNS)
+    check_weight_files(folder)
+    return str(folder)
+
+
+_SAID_SHIPPED: set[tuple[str, str]] = set()
+
+
+def _default_drafter(record: Method, target):
+    """The shipped drafter for ``target`` when ``drafter=`` was not given (said once per method and target)."""
+    from . import identity
+
+    target_id = identity.identify(target)
+    folder = shipped_drafter(record, target_id) if target_id is not None else None
+    if folder is not None and (record.name, target_id) not in _SAID_SHIPPED:
+        _SAID_SHIPPED.add((record.name, target_id))
+        identity.logger.warning(f"hf_specdec: {record.name} uses the drafter shipped for {target_id} "
+                                f"({SHIPPED_PREFIX}{folder.name}); pass drafter= to use another.")
+    return folder
 
 
 class _DrafterCache:
@@ -370,15 +422,19 @@ def load_drafter(method: str | Method, drafter, target):
     method's loader, once per target (a small cache of the last few: later ``generate`` calls reuse it)."""
     record = method if isinstance(method, Method) else get(method)
     spec = record.drafter
+    if drafter is None and spec is not None and spec.required:
+        drafter = _default_drafter(record, target)
+        if drafter is None:
+            shipped = f" (drafters ship for {', '.join(spec.shipped)})" if spec.shipped else ""
+            raise ValueError(f"The {record.name!r} method needs {spec.doc}: {spec.hint}{shipped}.")
     if drafter is None:
-        if spec is not None and spec.required:
-            raise ValueError(f"The {record.name!r} method needs {spec.doc}: {spec.hint}.")
         return None
     if isinstance(drafter, torch.nn.Module):
         if spec.accepts is not None and not isinstance(drafter, spec.accepts):
             raise TypeError(f"The {record.name!r} method needs {spec.doc}, got {type(drafter).__name__}.")
         module = drafter
     elif isinstance(drafter, (str, os.PathLike)):
+        drafter = drafter_source(drafter)
         key = (record.name, _source_key(drafter), id(target), str(target.dtype), str(target.device))
         module = DRAFTER_CACHE.get(key, target)
         if module is None:
@@ -399,7 +455,8 @@ def markdown_table() -> str:
     for m in methods():
         opts = ", ".join(f"`{o.name}`" + (f" ({o.default!r})" if o.default is not None else "") for o in m.options)
         if m.drafter is not None:
-            opts = "`drafter`" + (" (required)" if m.drafter.required else "") + (", " + opts if opts else "")
+            need = " (required; on SmolLM2 the shipped one)" if m.drafter.shipped else " (required)"
+            opts = "`drafter`" + (need if m.drafter.required else "") + (", " + opts if opts else "")
         shipped = ", ".join(f"`hf_specdec/drafters/{v}`" for v in m.drafter.shipped.values()) if m.drafter else ""
         lines.append(f"| {m.name} | `\"hf_specdec/{m.name}\"` | {m.summary} | {opts or '–'} | {shipped or '–'} |")
     return "\n".join(lines)
@@ -410,7 +467,9 @@ def describe(method: str | Method) -> str:
     m = method if isinstance(method, Method) else get(method)
     lines = [f"{m.name}: {m.summary}"]
     if m.drafter is not None:
-        lines.append(f"  drafter{' (required)' if m.drafter.required else ''}: {m.drafter.doc}; {m.drafter.hint}")
+        need = " (required)" if m.drafter.required else ""
+        shipped = f"; default for {', '.join(m.drafter.shipped)}: the shipped one" if m.drafter.shipped else ""
+        lines.append(f"  drafter{need}: {m.drafter.doc}; {m.drafter.hint}{shipped}")
     for o in m.options:
         choices = f" {{{', '.join(map(str, o.choices))}}}" if o.choices else ""
         lines.append(f"  {o.name} ({o.type_name}{choices}, default {o.default!r}): {o.doc}")

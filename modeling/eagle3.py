@@ -93,7 +93,8 @@ class Eagle3Config(PretrainedConfig):
             target_layer_ids = default_target_layer_ids(num_target_layers)
         self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
         self.rope_theta = float(rope_theta)
-        self.rope_scaling = rope_scaling
+        if rope_scaling is not None:  # the published field; transformers 5 keeps it as ``rope_parameters``
+            kwargs["rope_parameters"] = {**rope_scaling, "rope_theta": self.rope_theta}
         self.max_position_embeddings = max_position_embeddings
         self.norm_before_residual = norm_before_residual
         self.target_model = target_model
@@ -108,10 +109,9 @@ class Eagle3Config(PretrainedConfig):
                              f"num_key_value_heads ({self.num_key_value_heads}).")
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size}).")
-        if self.rope_scaling and self.rope_scaling.get("rope_type", self.rope_scaling.get("type")) not in (
-            None, "default", "linear"
-        ):
-            raise ValueError(f"Unsupported rope_scaling {self.rope_scaling}: the EAGLE-3 reference drafter supports "
+        scaling = getattr(self, "rope_parameters", None) or {}
+        if scaling.get("rope_type", scaling.get("type")) not in (None, "default", "linear"):
+            raise ValueError(f"Unsupported rope_scaling {scaling}: the EAGLE-3 reference drafter supports "
                              "default and linear RoPE only.")
         if self.target_layer_ids is not None and len(self.target_layer_ids) != 3:
             raise ValueError(f"EAGLE-3 fuses three target features; got target_layer_ids={self.target_layer_ids}.")
@@ -141,8 +141,9 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(width, self.num_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.num_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        scaling = config.rope_scaling or {}
-        self.position_scale = float(scaling.get("factor", 1.0)) if scaling else 1.0
+        scaling = getattr(config, "rope_parameters", None) or {}
+        linear = scaling.get("rope_type", scaling.get("type")) == "linear"
+        self.position_scale = float(scaling.get("factor", 1.0)) if linear else 1.0
 
     def rope(self, x: torch.Tensor, position_ids: torch.LongTensor) -> torch.Tensor:
         # computed here rather than stored: a non-persistent buffer would be left uninitialised by from_pretrained

@@ -94,7 +94,7 @@ def test_convert_zlab_revisions_offline(hub, tmp_path, revision):
 
 @pytest.mark.parametrize("problem,match", [
     ("mask_outside", "outside the vocabulary"),
-    ("truncated", "corrupt or truncated"),
+    ("truncated", "incomplete or corrupt.*download it again"),
     ("no_mask", "no mask_token_id"),
     ("dflash2", "DFlash 2"),
     ("wrong_shape", "shapes do not match"),

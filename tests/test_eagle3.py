@@ -115,7 +115,7 @@ def test_research_layout_has_default_layers_and_base_10000(hub, tmp_path):
 
 @pytest.mark.parametrize("problem,match", [
     ("missing_d2t", "needs the d2t mapping"),
-    ("truncated", "corrupt or truncated"),
+    ("truncated", "incomplete or corrupt.*download it again"),
     ("unknown_layout", "Unknown EAGLE-3 checkpoint layout"),
     ("fc_norm", "fc_norm=true"),
     ("wrong_shape", "shapes do not match"),

@@ -141,3 +141,156 @@ def test_encoder_decoder_refused():
     with pytest.raises(ValueError, match="decoder-only"):
         model.generate(torch.randint(1, 60, (1, 6)), custom_generate=hf_specdec.decoding_method("prompt_lookup"),
                        **GEN)
+
+
+# ---- drafters given by path: the cause and the fix in the message
+def _eagle3_folder(folder, target):
+    from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+
+    cfg = target.config
+    Eagle3Drafter(Eagle3Config(hidden_size=cfg.hidden_size, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=cfg.vocab_size, draft_vocab_size=40,
+                               num_target_layers=cfg.num_hidden_layers)).save_pretrained(folder)
+    return folder
+
+
+def _eagle3(target, drafter):
+    return target.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("eagle3"), drafter=drafter,
+                           **GEN)
+
+
+@pytest.mark.parametrize("path", ["/no/such/folder/drafter", "./missing-drafter", "a/b/c"])
+def test_missing_drafter_path(target, tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"{path} does not exist"):
+        _eagle3(target, path)
+
+
+def test_drafter_path_that_is_neither_folder_nor_cached_repo(target, hub):
+    with pytest.raises(ValueError, match="'someone/drafter' is not a local folder.*could not be fetched"):
+        _eagle3(target, "someone/drafter")
+
+
+def test_truncated_drafter_weights(target, tmp_path):
+    folder = _eagle3_folder(tmp_path / "d", target)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(ValueError, match=r"d/model\.safetensors is incomplete or corrupt.*download it again"):
+        _eagle3(target, folder)
+
+
+def test_config_disagreeing_with_weights_names_the_field(target, tmp_path):
+    import json
+
+    folder = _eagle3_folder(tmp_path / "d", target)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json says intermediate_size=48, but the weights were made with "
+                                         "intermediate_size=64.*not pass ignore_mismatched_sizes"):
+        _eagle3(target, folder)
+    # a plain causal LM as draft model
+    tiny_model("llama").save_pretrained(tmp_path / "lm")
+    cfg = json.loads((tmp_path / "lm" / "config.json").read_text())
+    cfg["hidden_size"] = 64
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="config.json says hidden_size=64, but the weights were made with "
+                                         "hidden_size=32"):
+        target.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("assisted"),
+                        drafter=str(tmp_path / "lm"), **GEN)
+
+
+def test_drafter_with_the_vocabulary_size_of_another_tokenizer(target):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=96)).eval()  # bos/eos 50256
+    with pytest.raises(ValueError, match=r"special token id\(s\) \[50256\], outside the target's vocabulary"):
+        target.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("assisted"), drafter=gpt2, **GEN)
+    other = tiny_model("llama", seed=3, bos_token_id=5, eos_token_id=6)
+    with pytest.raises(ValueError, match=r"other special token ids than the target: bos \[5\] \(target: \[2\]\)"):
+        target.generate(prompts(1)[0], custom_generate=hf_specdec.custom_generate_path("assisted"),
+                        trust_remote_code=True, assistant_model=other, **GEN)
+
+
+def test_drafter_saved_with_another_tokenizer(target, tmp_path):
+    from tiny import word_tokenizer
+
+    draft = tiny_model("llama", seed=3)
+    draft.save_pretrained(tmp_path / "draft")
+    word_tokenizer().save_pretrained(tmp_path / "draft")
+    target.save_pretrained(tmp_path / "target")
+    tok = word_tokenizer()
+    tok.add_tokens(["zzz"])  # one more entry: another token -> id map
+    tok.save_pretrained(tmp_path / "target")
+    from transformers import AutoModelForCausalLM
+
+    moved = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match="saved with another tokenizer than the target's"):
+        moved.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("assisted"),
+                       drafter=str(tmp_path / "draft"), **GEN)
+
+
+def test_drafter_that_carries_no_tokenizer_information_warns(target, caplog):
+    anonymous = tiny_model("llama", seed=4, bos_token_id=None, eos_token_id=None)
+    anonymous.generation_config.bos_token_id = anonymous.generation_config.eos_token_id = None
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        target.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("assisted"), drafter=anonymous,
+                        **GEN)
+    assert "cannot confirm" in caplog.text
+
+
+def test_streamer_dropped_by_the_callable_form_warns(target):
+    from transformers import TextStreamer
+
+    from tiny import word_tokenizer
+
+    with pytest.warns(UserWarning, match="does not pass streamer= to a custom_generate callable.*folder form"):
+        target.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("prompt_lookup"),
+                        streamer=TextStreamer(word_tokenizer()), **GEN)
+
+
+def test_shipped_drafter_by_repository_path_from_any_directory(tmp_path, monkeypatch):
+    from hf_specdec import registry
+
+    monkeypatch.chdir(tmp_path)
+    shipped = registry.shipped_drafter("eagle3")
+    if shipped is None:
+        pytest.skip("this install has no shipped drafters")
+    assert registry.drafter_source(f"hf_specdec/drafters/{shipped.name}") == str(shipped)
+    with pytest.raises(FileNotFoundError, match="ships no drafter 'nope'.*shipped: smollm2"):
+        registry.drafter_source("hf_specdec/drafters/nope")
+
+
+def test_targets_are_identified_by_config_and_vocabulary(tmp_path):
+    from transformers import LlamaConfig
+
+    from hf_specdec import identity
+    from hf_specdec.default_model import MODEL_ID
+    from tiny import word_tokenizer
+
+    fields = dict(identity.KNOWN_TARGETS[MODEL_ID]["config"])
+    fields.pop("model_type")
+    config = LlamaConfig(**fields)
+    assert identity.identify(config) == MODEL_ID  # path-independent: no folder at all
+    config._name_or_path = str(tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)  # another vocabulary beside it
+    assert identity.identify(config) is None
+    assert identity.identify(tiny_model("llama").config) is None
+    assert hf_specdec.shipped_drafter("eagle3", "someone/else") is None
+
+
+def test_shipped_checkpoints_load_without_deprecation_warnings():
+    import warnings
+
+    from hf_specdec import registry
+    from hf_specdec.modeling.dflash import DFlashDrafter
+    from hf_specdec.modeling.eagle3 import Eagle3Drafter
+
+    for method, cls in (("eagle3", Eagle3Drafter), ("dflash", DFlashDrafter)):
+        folder = registry.shipped_drafter(method)
+        if folder is None:
+            pytest.skip("this install has no shipped drafters")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            warnings.simplefilter("error", DeprecationWarning)
+            cls.from_pretrained(folder)

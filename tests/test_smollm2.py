@@ -94,3 +94,25 @@ def test_shipped_drafters_are_small_half_precision_and_lossless(smollm2, method)
     out = model.generate(**enc, max_new_tokens=32, do_sample=False,
                          custom_generate=hf_specdec.decoding_method(method, **opts))
     assert torch.equal(out, ref)
+
+
+def test_shipped_drafters_are_the_default_for_smollm2(smollm2, tmp_path, monkeypatch, caplog):
+    """No drafter= on SmolLM2 (found by config and vocabulary): the shipped drafter is used and said so, once."""
+    from hf_specdec import identity, registry
+
+    model, tok = smollm2
+    assert identity.identify(model) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hf_specdec.shipped_drafter("eagle3") == hf_specdec.shipped_drafter("eagle3", model)
+    if hf_specdec.shipped_drafter("eagle3") is None:
+        pytest.skip("no shipped drafters in this checkout")
+    monkeypatch.chdir(tmp_path)  # another directory: the absolute folder path and drafter lookup still work
+    registry._SAID_SHIPPED.clear()
+    enc = _enc(tok, ["What is 12 times 7? Think step by step."])
+    ref = model.generate(**enc, max_new_tokens=16, do_sample=False)
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        for method in ("eagle3", "dflash", "assisted", "eagle3"):
+            out = model.generate(**enc, max_new_tokens=16, do_sample=False, trust_remote_code=True,
+                                 custom_generate=hf_specdec.custom_generate_path(method))
+            assert torch.equal(out, ref)
+    said = [r.getMessage() for r in caplog.records if "uses the drafter shipped" in r.getMessage()]
+    assert len(said) == 3 and all("pass drafter= to use another" in m for m in said)
