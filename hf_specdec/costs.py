@@ -6,13 +6,15 @@ kernel runner (:mod:`hf_specdec.kernels`; figures in benchmarks/RESULTS.md). Cos
 measured: there a short verification is cheaper than the plain step it replaces. A draft of ``k`` tokens, each
 accepted with probability ``alpha`` given the previous one was, commits on average ``1 + alpha + ... + alpha^k``
 tokens. The loop measures ``c(q)`` while it runs (:class:`ForwardCostModel`, one per target runner and batch size,
-so later calls start from what earlier ones measured) and a proposer picks the ``k`` that maximises tokens per unit
+so later calls start from what earlier ones measured; minima of recent times, so that other work on the machine does
+not turn speculation off) and a proposer picks the ``k`` that maximises tokens per unit
 of time (:func:`best_draft_length`), drafting nothing when no ``k`` beats a plain step: that is what keeps a method
 from slowing down text it cannot predict.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 
 # Relative cost of a q-token forward over a ~256-token cache vs q=1, used until the loop has measured its own.
@@ -36,33 +38,72 @@ def _interp(table: dict[int, float], q: int) -> float:
     return table[keys[-1]]  # pragma: no cover
 
 
-class ForwardCostModel:
-    """Running estimate of the time of a target forward over ``q`` new tokens (exponential moving averages).
+class RecentMinimum:
+    """The minimum of a time's recent samples: a robust estimate of what something costs when the machine is not
+    disturbing it. Other processes only ever make a forward *slower*, so a spike never lowers the minimum, and it
+    drops out after ``window`` samples or ``horizon`` ticks of the caller's clock; a lasting change (a longer cache, a
+    lasting load) replaces the estimate as fast."""
 
-    Sizes not measured yet are interpolated (in log q) between the nearest measured ones, or follow the shape of the
-    ``prior`` curve (relative costs by ``q``; default by ``device_type``) from the nearest measured size. The target
+    def __init__(self, window: int = 12, horizon: int | None = None):
+        self.samples: collections.deque = collections.deque(maxlen=window)  # (tick, seconds)
+        self.horizon = horizon
+
+    def add(self, seconds: float, tick: int = 0) -> None:
+        self.samples.append((tick, seconds))
+
+    def value(self, now: int = 0) -> float | None:
+        """The minimum over the samples of the last ``horizon`` ticks (the newest sample when all are older)."""
+        if not self.samples:
+            return None
+        recent = [s for t, s in self.samples if self.horizon is None or t >= now - self.horizon]
+        return min(recent) if recent else self.samples[-1][1]
+
+    @property
+    def last_tick(self) -> int | None:
+        return self.samples[-1][0] if self.samples else None
+
+
+class ForwardCostModel:
+    """Estimate of the time of a target forward over ``q`` new tokens, robust to a busy machine.
+
+    Each size keeps the minimum of its samples of the last :attr:`HORIZON` forwards (:class:`RecentMinimum`), so a
+    relative cost is a ratio of undisturbed times measured under the same conditions, not of whatever else the
+    machine was doing at the time. The one-token cost is the unit of every ratio; a loop that speculates rarely runs
+    one-token forwards, so when none ran for :attr:`PROBE_EVERY` forwards, :meth:`probe_due` asks it for one plain
+    step. Sizes not measured yet are interpolated (in log q) between the nearest measured ones, or follow the shape of
+    the ``prior`` curve (relative costs by ``q``; default by ``device_type``) from the nearest measured size. The target
     runner (:class:`~hf_specdec.runners.TargetRunner`) keeps one per batch size across ``generate`` calls.
     """
 
-    def __init__(self, device_type: str = "cpu", decay: float = 0.8, prior: dict[int, float] | None = None):
+    HORIZON = 96  # forwards (of any size) a sample counts for
+    PROBE_EVERY = 48  # forwards of other sizes after which the one-token cost is measured again
+
+    def __init__(self, device_type: str = "cpu", window: int = 12, prior: dict[int, float] | None = None):
         self.prior = prior if prior is not None else (_CPU_PRIOR if device_type == "cpu" else _GPU_PRIOR)
-        self.decay = decay
-        self.seconds: dict[int, float] = {}
+        self.window = window
+        self.times: dict[int, RecentMinimum] = {}
+        self.clock = 0  # forwards recorded
 
     def record(self, q: int, seconds: float) -> None:
-        old = self.seconds.get(q)
-        self.seconds[q] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.clock += 1
+        self.times.setdefault(q, RecentMinimum(self.window, self.HORIZON)).add(seconds, self.clock)
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """``{q: estimated seconds}`` of every measured size."""
+        return {q: t.value(self.clock) for q, t in self.times.items()}
 
     def relative(self, q: int) -> float:
         """Cost of a ``q``-token forward in units of a one-token forward."""
         if q <= 1:
             return 1.0
-        base = self.seconds.get(1)
+        known_seconds = self.seconds
+        base = known_seconds.get(1)
         if not base:
             return _interp(self.prior, q)
         # not floored at 1: where the verification kernels make a 2-4-token forward cheaper than the model's own
         # one-token step (this project's CPU), a short verification *is* cheaper than the plain step it replaces
-        known = {k: v / base for k, v in self.seconds.items()}
+        known = {k: v / base for k, v in known_seconds.items()}
         if q in known:
             return known[q]
         lower = max(k for k in known if k < q)  # 1 is always known here
@@ -76,10 +117,15 @@ class ForwardCostModel:
     def step_seconds(self) -> float | None:
         return self.seconds.get(1)
 
+    def probe_due(self) -> bool:
+        """Whether the next step should be a plain one, to measure the one-token cost again (see the class doc)."""
+        step = self.times.get(1)
+        return step is not None and self.clock - step.last_tick >= self.PROBE_EVERY
+
     def calibration_sizes(self, max_nodes: int) -> list[int]:
         """Sizes worth timing once before decoding (none once the curve has been measured up to ``max_nodes``)."""
         wanted = sorted({q for q in (1, 2, 4, 8, 16, 32) if q <= max_nodes} | {max_nodes})
-        if all(q in self.seconds for q in wanted):
+        if all(q in self.times for q in wanted):
             return []
         return wanted
 

@@ -114,7 +114,7 @@ class TargetSession:
         return out.logits.float(), self._hidden(out)
 
     def calibrate(self, state, max_nodes: int) -> None:
-        """Time one forward per draft size the proposer may use, once per runner and batch size.
+        """Time two forwards per draft size the proposer may use, once per runner and batch size.
 
         The draft-length rules pick lengths from these costs (:mod:`hf_specdec.costs`); measuring them up front
         avoids never trying a size whose cost was guessed wrong. The forwards are undone by cropping the cache.
@@ -124,7 +124,9 @@ class TargetSession:
             return
         past = state.layout.length
         roots = state.roots()
-        for i, q in enumerate([1] + sizes):  # the first one-token forward only warms up
+        # the first one-token forward only warms up; two interleaved rounds, so that a moment of other work on the
+        # machine does not decide a size's cost (the cost model keeps the minimum)
+        for i, q in enumerate([1] + sizes + sizes):
             tokens = roots[:, None].expand(-1, q)
             pos = state.root_positions[:, None] + torch.arange(q, device=state.device)
             causal = torch.ones(q, q, dtype=torch.bool, device=state.device).tril().expand(state.batch_size, q, q)

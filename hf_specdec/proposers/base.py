@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..costs import RecentMinimum
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..state import DecodingState
     from ..tree import DraftTree
@@ -13,27 +15,50 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 class BackOff:
-    """Exponential back-off for a drafter that does not pay: after a proposal that was not worth it, skip the next
+    """Exponential back-off for a drafter that does not pay: after proposals that were not worth it, skip the next
     1, 2, 4 .. ``limit`` proposals; one that pays resets it.
 
-    :meth:`judge` decides "worth it" with the drafting time included: expected committed tokens over the cost of the
+    :meth:`judge` decides "worth it" with the drafting time included: committed tokens over the cost of the
     verification plus the proposal, both in one-token target steps, must reach plain decoding's 1 token per step.
+    The decision survives a busy machine: the drafting time is the minimum of the recent ones
+    (:class:`~hf_specdec.costs.RecentMinimum`, as the target's costs are); a proposal pays when either its expected
+    tokens or what the recent proposals actually committed (:meth:`observe`) cover its cost, so a drafter whose
+    drafts are being accepted never switches itself off; and skipping starts only after two proposals in a row did
+    not pay (hysteresis).
     """
 
+    MISSES = 2  # proposals in a row that must not pay before proposals are skipped
+
     def __init__(self, limit: int = 16):
-        self.limit, self.skip, self.length = limit, 0, 0
-        self.draft_cost = 0.0  # a proposal's time in units of a one-token target step (running)
+        self.limit, self.skip, self.length, self.misses = limit, 0, 0, 0
+        self._step: float | None = None
+        self.draft_times = RecentMinimum(window=8)
+        self.realized: float | None = None  # tokens a verification of drafts committed per row (running)
+
+    @property
+    def draft_cost(self) -> float:
+        """A proposal's time in units of a one-token target step (0 until both are measured)."""
+        seconds, step = self.draft_times.value(), self._step
+        return seconds / step if seconds is not None and step else 0.0
 
     def judge(self, state, seconds: float | None, expected: float | None, verify: float | None) -> None:
         """Record a proposal that took ``seconds`` and whose best draft expects ``expected`` tokens for a
         verification costing ``verify`` steps (``expected=None``: only record the time; ``seconds=None``: an
         untypical proposal, e.g. one that fed a backlog of context, whose time is not recorded)."""
-        step = state.cost_model.step_seconds() if state.cost_model is not None else None
-        if step and seconds is not None:
-            rel = seconds / step
-            self.draft_cost = 0.8 * self.draft_cost + 0.2 * rel if self.draft_cost else rel
+        self._step = state.cost_model.step_seconds() if state.cost_model is not None else None
+        if seconds is not None:
+            self.draft_times.add(seconds)
         if expected is not None and self.draft_cost:
-            self.update(paid=expected / (verify + self.draft_cost) >= 1.0)
+            cost = verify + self.draft_cost
+            self.update(paid=max(expected, self.realized or 0.0) / cost >= 1.0)
+
+    def observe(self, tree, result) -> None:
+        """Record what a verification of this drafter's proposal committed (rows that had drafts)."""
+        drafted = (tree.valid.sum(1) > 1).tolist()
+        committed = [len(t) for t, d in zip(result.new_tokens, drafted) if d]
+        if committed:
+            mean = sum(committed) / len(committed)
+            self.realized = mean if self.realized is None else 0.7 * self.realized + 0.3 * mean
 
     def skipping(self) -> bool:
         """Whether this step's proposal is skipped (counts the step down)."""
@@ -43,7 +68,12 @@ class BackOff:
         return False
 
     def update(self, paid: bool) -> None:
-        self.length = 0 if paid else min(max(1, 2 * self.length), self.limit)
+        if paid:
+            self.length = self.misses = 0
+        else:
+            self.misses += 1
+            if self.misses >= self.MISSES:
+                self.length = min(max(1, 2 * self.length), self.limit)
         self.skip = self.length
 
 

@@ -8,7 +8,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
-from ..costs import AcceptanceEstimator, best_draft_length
+from .. import identity
+from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
@@ -20,7 +21,8 @@ MAX_TOKENS = 12  # the longest draft the adaptive length may choose
 
 
 def check_same_vocabulary(target, drafter, what: str = "drafter") -> None:
-    """A drafter must speak the target's token ids: same (text) vocabulary size."""
+    """A drafter must speak the target's token ids: same (text) vocabulary size, and nothing it carries (special
+    token ids, a saved tokenizer) saying they are another tokenizer's (:func:`hf_specdec.identity.check_same_tokenizer`)."""
     t_vocab = target.config.get_text_config().vocab_size
     d_cfg = drafter.config.get_text_config() if hasattr(drafter.config, "get_text_config") else drafter.config
     d_vocab = getattr(d_cfg, "vocab_size", None)
@@ -31,6 +33,7 @@ def check_same_vocabulary(target, drafter, what: str = "drafter") -> None:
             "transformers' universal assisted decoding (assistant_model= with tokenizer= and assistant_tokenizer=, "
             "without custom_generate)."
         )
+    identity.check_same_tokenizer(target, drafter, what)
 
 
 def restricted_head(drafter, vocab) -> tuple[torch.nn.Linear, torch.Tensor]:
@@ -103,7 +106,7 @@ class DraftModelProposer(Proposer):
         self.synced = 0  # target layout columns already in the drafter cache
         self.fed = 0  # columns the drafter added beyond `synced` in the last propose
         self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
-        self.token_seconds = None  # measured time of one single-token drafter forward
+        self.token_seconds = RecentMinimum(window=16)  # single-token drafter forwards (robust to a busy machine)
         t_params = sum(p.numel() for p in state.model.parameters())
         d_params = sum(p.numel() for p in self.drafter.parameters())
         if self.head is not None:
@@ -115,9 +118,10 @@ class DraftModelProposer(Proposer):
 
     def _draft_cost(self, state) -> float:
         step = state.cost_model.step_seconds()
-        if self.token_seconds is None or not step:
+        seconds = self.token_seconds.value()
+        if seconds is None or not step:
             return self.prior_cost
-        return self.token_seconds / step
+        return seconds / step
 
     def _forward(self, state, tokens, positions, past_valid, past_pos, new_attends):
         mask = build_attention_mask(self.drafter.config, past_valid.to(self.device), past_pos.to(self.device),
@@ -167,8 +171,7 @@ class DraftModelProposer(Proposer):
                 t1 = time.perf_counter()
                 logits = self._forward(state, drafts[-1][:, None], state.root_positions[:, None] + i,
                                        torch.cat([layout.valid, ones[:, :i]], 1), past_pos, ones[:, :1, None])
-                elapsed = time.perf_counter() - t1
-                self.token_seconds = elapsed if self.token_seconds is None else 0.8 * self.token_seconds + 0.2 * elapsed
+                self.token_seconds.add(time.perf_counter() - t1)
             if process is not None:
                 logits = torch.cat([
                     process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])

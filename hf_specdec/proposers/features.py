@@ -60,6 +60,7 @@ class FeatureDrafterProposer(Proposer):
 
     def commit(self, state, tree, result) -> None:
         self._update_calibration(result)
+        self.backoff.observe(tree, result)
         width = max(len(p) for p in result.paths)
         nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)  # [B, W]
         fused = self._fuse(state.hidden_states)  # [B, N, F] for every tree node

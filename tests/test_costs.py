@@ -1,0 +1,105 @@
+"""The draft-length and back-off rules under noisy timings (a busy machine), with synthetic times: nothing is timed."""
+
+import random
+
+import pytest
+
+from hf_specdec.costs import ForwardCostModel, RecentMinimum, best_draft_length
+from hf_specdec.proposers.base import BackOff
+
+TRUE = {1: 0.070, 2: 0.074, 4: 0.080, 8: 0.11}  # seconds of a q-token forward on a quiet machine
+
+
+def _disturbed(seconds, rng):
+    """A forward time as a shared machine gives it: often a little slower, now and then 2-4x (another process)."""
+    return seconds * (1 + 0.15 * rng.random()) * (rng.uniform(2, 4) if rng.random() < 0.3 else 1.0)
+
+
+def test_relative_costs_are_those_of_a_quiet_machine():
+    rng = random.Random(0)
+    cost = ForwardCostModel("cpu")
+    for _ in range(40):
+        for q, s in TRUE.items():
+            cost.record(q, _disturbed(s, rng))
+    for q, s in TRUE.items():
+        assert cost.relative(q) == pytest.approx(s / TRUE[1], rel=0.1)
+    quiet = ForwardCostModel("cpu")
+    for q, s in TRUE.items():
+        quiet.record(q, s)
+    assert best_draft_length(0.7, 7, cost) == best_draft_length(0.7, 7, quiet) > 0
+
+
+def test_a_spike_does_not_turn_speculation_off():
+    cost = ForwardCostModel("cpu")
+    for q, s in TRUE.items():
+        cost.record(q, s)
+    cost.record(2, 0.5)  # one 2-token verification while another process had the cores
+    cost.record(4, 0.6)
+    assert best_draft_length(0.6, 3, cost) > 0
+
+
+def test_the_unit_is_measured_again_under_the_same_conditions():
+    """A load that starts after the one-token cost was measured slows every verification: once the one-token
+    measurement is old the loop asks for a plain step, and the ratio is that of the loaded machine again."""
+    cost = ForwardCostModel("cpu")
+    for q, s in TRUE.items():
+        cost.record(q, s)
+    steps = 0
+    while not cost.probe_due():
+        cost.record(4, TRUE[4] * 1.8)  # the machine is now loaded
+        steps += 1
+    assert steps == ForwardCostModel.PROBE_EVERY - 3  # the calibration's other sizes counted too
+    cost.record(1, TRUE[1] * 1.8)
+    for _ in range(ForwardCostModel.HORIZON):
+        cost.record(4, TRUE[4] * 1.8)
+        if cost.probe_due():
+            cost.record(1, TRUE[1] * 1.8)
+    assert cost.relative(4) == pytest.approx(TRUE[4] / TRUE[1], rel=0.05)
+
+
+def test_recent_minimum_forgets_old_samples():
+    m = RecentMinimum(window=4, horizon=10)
+    m.add(1.0, tick=0)
+    m.add(2.0, tick=5)
+    assert m.value(now=5) == 1.0
+    assert m.value(now=12) == 2.0  # the first sample is past the horizon
+    assert m.value(now=100) == 2.0  # all past it: the newest one
+
+
+class _State:
+    def __init__(self, cost):
+        self.cost_model = cost
+
+
+class _Tree:
+    def __init__(self, valid):
+        import torch
+
+        self.valid = torch.tensor(valid)
+
+
+class _Result:
+    def __init__(self, new_tokens):
+        self.new_tokens = new_tokens
+
+
+def test_back_off_needs_two_misses_and_spares_an_accepted_drafter():
+    cost = ForwardCostModel("cpu")
+    cost.record(1, 0.07)
+    state = _State(cost)
+    off = BackOff()
+    off.judge(state, 0.02, 1.2, 1.1)  # expected 1.2 tokens for 1.1 + 0.29 steps: does not pay
+    assert not off.skipping()  # one miss: no skip yet (hysteresis)
+    off.judge(state, 0.02, 1.2, 1.1)
+    assert off.skipping()
+    # a drafter whose drafts are being accepted keeps proposing although its predictions are timid
+    kept = BackOff()
+    for _ in range(5):
+        kept.observe(_Tree([[True, True, True]]), _Result([[5, 6, 7]]))  # 3 tokens committed per verification
+        kept.judge(state, 0.02, 1.2, 1.1)
+        assert not kept.skipping()
+    # and the drafting time is the undisturbed one
+    noisy = BackOff()
+    for seconds in (0.02, 0.2, 0.02, 0.3):
+        noisy.judge(state, seconds, None, None)
+    assert noisy.draft_cost == pytest.approx(0.02 / 0.07)
