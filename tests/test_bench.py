@@ -108,3 +108,76 @@ def test_bench_kernel_matched_baseline():
     assert all(r["speedup_vs_kernels"] > 0 for r in rows.values())
     assert "vs plain_kernels" in markdown(result) and "| gsm8k | prompt_lookup |" in markdown(result)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_unknown_method_lists_the_methods_and_baselines():
+    from hf_specdec.registry import UnknownMethodError
+
+    with pytest.raises(UnknownMethodError, match="Unknown benchmark method 'nope:3'.*eagle3_chain.*plain_kernels, "
+                                                 "oracle:K, hf_prompt_lookup:K, hf_assisted"):
+        build_methods(["prompt_lookup", "nope:3"])
+    with pytest.raises(ValueError, match="background_load must be one of off, on, both"):
+        run_bench(tiny_model("llama"), _chat_tokenizer(), [], ["gsm8k"], limit=1, max_new_tokens=2,
+                  progress=False, background_load="sometimes")
+
+
+def _gone(pid: int) -> bool:
+    import multiprocessing
+    import os
+
+    from hf_specdec.bench.load import PROCESS_NAME
+
+    alive = [p for p in multiprocessing.active_children() if p.name == PROCESS_NAME]
+    return not alive and not os.path.exists(f"/proc/{pid}")
+
+
+def test_background_load_stops_on_an_error():
+    from hf_specdec.bench.load import background_load
+
+    with pytest.raises(KeyboardInterrupt):
+        with background_load() as procs:
+            assert len(procs) == 1 and procs[0].is_alive() and procs[0].daemon
+            raise KeyboardInterrupt
+    assert not procs[0].is_alive() and _gone(procs[0].pid)
+
+
+def test_bench_with_and_without_background_load(tmp_path):
+    """background_load="both": every prompt runs quiet and loaded; the report has both sets of figures side by side
+    and the load process is gone afterwards (nothing is timed here)."""
+    import csv
+
+    model = tiny_model("llama")
+    tok = _chat_tokenizer()
+    methods = build_methods(["plain_kernels", "prompt_lookup"])
+    result = run_bench(model, tok, methods, ["gsm8k"], limit=2, max_new_tokens=6, out=str(tmp_path), progress=False,
+                       background_load="both")
+    assert result["background_load"]["mode"] == "both" and result["background_load"]["pids"]
+    assert all(_gone(pid) for pid in result["background_load"]["pids"])
+    assert sorted(r["loaded"] for r in result["runs"]) == [False] * 6 + [True] * 6
+    assert all(r["identical"] for r in result["runs"])
+    rows = {r["method"]: r for r in result["summary"]}
+    assert set(rows) == {"plain", "plain_kernels", "prompt_lookup"}
+    lookup = rows["prompt_lookup"]
+    for key in ("tau", "proposed_drafts", "speedup_median", "speedup_vs_kernels", "mismatches"):
+        assert lookup[key] is not None and lookup[f"{key}_loaded"] is not None
+    assert lookup["proposed_drafts"] >= lookup["accepted_drafts"] >= 0 and lookup["mismatches_loaded"] == 0
+    assert rows["plain"]["proposed_drafts"] is None  # no speculative_stats
+    table = markdown(result)
+    for header in ("| τ | τ loaded |", "| proposed drafts | proposed drafts loaded |", "| speedup loaded |",
+                   "| vs plain_kernels loaded |", "Background load:"):
+        assert header in table
+    with open(tmp_path / "bench.csv") as f:
+        saved = list(csv.DictReader(f))
+    assert {"tau", "tau_loaded", "speedup_median", "speedup_median_loaded", "proposed_drafts",
+            "proposed_drafts_loaded"} <= set(saved[0])
+    assert [r["method"] for r in saved] == [r["method"] for r in result["summary"]]
+
+
+def test_bench_under_background_load_only():
+    model = tiny_model("llama")
+    methods = build_methods(["prompt_lookup"])
+    result = run_bench(model, _chat_tokenizer(), methods, ["gsm8k"], limit=1, max_new_tokens=4, progress=False,
+                       background_load="on")
+    assert len(result["background_load"]["pids"]) == 1 and _gone(result["background_load"]["pids"][0])
+    assert all(r["loaded"] for r in result["runs"])
+    assert not any(k.endswith("_loaded") for r in result["summary"] for k in r)  # one condition: the usual keys

@@ -73,3 +73,161 @@ def test_cli_regenerate_writes_sharegpt_format(tmp_path, monkeypatch, capsys):
     assert cli.main(["regenerate", "--out", str(tmp_path / "e.json"), "--exclude", str(out),
                      "--max-new-tokens", "3"]) == 0
     assert seen["exclude"] == {"abc", "xyz"}
+
+
+# ------------------------------------------------------------------------------------------ syntax, help, errors
+def _help(capsys, monkeypatch, *command) -> str:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per option: the text below is matched whitespace-normalised
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command, "--help"])
+    assert exit_.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_help_shows_choices_and_defaults(capsys, monkeypatch):
+    from hf_specdec import registry
+    from hf_specdec.bench.data import DATASETS
+
+    methods = ",".join(registry.available_methods())
+    dtypes = "{float32,float16,bfloat16}"
+    expected = {
+        "demo": ["--max-new-tokens MAX_NEW_TOKENS tokens generated per prompt (default: 96)", "(default: 3)",
+                 "--methods M1,M2", "comma-separated, of " + ", ".join(registry.available_methods())],
+        "bench": [f"--dtype {dtypes}", "the target's dtype (default: float32)", "--background-load {off,on,both}",
+                  "(default: off)", "of " + ", ".join(DATASETS), "(default: bench_out)", "(default: 0)",
+                  "seed of the copy set's draw (default: 0)", "(default: 10)", "(default: 128)",
+                  "plain, plain_kernels, oracle:K, hf_prompt_lookup:K, hf_assisted",
+                  "(default: prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10)"],
+        "generate": [f"--method {{{methods}}}", "(default: prompt_lookup)", f"--dtype {dtypes}",
+                     "(default: float32)", "(default: 128)"],
+        "train": ["(default: 1500)", "(default: 384)", "(default: 8192)", "(default: 16)", "(default: 2.0)",
+                  "(default: 0.0003)", "(default: 2)", "(default: 4)", "(default: 100)", "(default: 0)",
+                  "(default: as many as --epochs takes)", "(default: draft 4, dflash 3)"],
+        "regenerate": [f"--dtype {dtypes}", "(default: bfloat16)", "(default: 500)", "(default: 300)",
+                       "(default: 160)", "(default: 64)"],
+        "convert": [f"--dtype {dtypes}", "(default: as published)", "(default: auto)"],
+        "install-hub-cache": ["--methods M1,M2", "(default: every registered method)", "(default: hf_specdec)"],
+        "publish-hub": ["--methods M1,M2", "(default: every registered method)", "(default: hf_specdec)"],
+        "methods": ["--markdown", "--write-folders"],
+    }
+    for command, texts in expected.items():
+        out = _help(capsys, monkeypatch, command)
+        for text in texts:
+            assert text in out, (command, text)
+    top = _help(capsys, monkeypatch)
+    assert all(command in top for command in expected) and "--version" in top
+
+
+def test_version_names_torch_and_transformers(capsys):
+    import torch
+    import transformers
+
+    import hf_specdec
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"hf_specdec {hf_specdec.__version__} ") and "\n" not in line
+    assert f"torch {torch.__version__}" in line and f"transformers {transformers.__version__}" in line
+
+
+def test_methods_are_comma_separated_everywhere(tmp_path, capsys):
+    parser = cli.build_parser()
+    assert parser.parse_args(["demo", "--methods", "prompt_lookup,eagle3"]).methods == ["prompt_lookup", "eagle3"]
+    assert parser.parse_args(["demo"]).methods is None
+    assert parser.parse_args(["bench", "--methods", "plain_kernels,eagle3_chain:3,oracle:4"]).methods == [
+        "plain_kernels", "eagle3_chain:3", "oracle:4"]
+    assert parser.parse_args(["bench"]).datasets == ["mtbench", "humaneval", "gsm8k", "copy"]
+    assert parser.parse_args(["publish-hub", "--methods", "eagle3,dflash"]).methods == ["eagle3", "dflash"]
+    assert cli.main(["install-hub-cache", "--cache-dir", str(tmp_path), "--methods", "prompt_lookup,eagle3"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models--hf_specdec--eagle3",
+                                                         "models--hf_specdec--prompt_lookup"]
+    capsys.readouterr()
+    refused = {
+        ("demo", "--methods", "prompt_lookup,nope"): "Unknown speculative decoding method 'nope'. Available: "
+                                                    + ", ".join(cli.registry.available_methods()),
+        ("install-hub-cache", "--methods", "nope"): "Available: ",
+        ("publish-hub", "--methods", "nope", "--dry-run"): "Available: ",
+        ("bench", "--methods", "prompt_lookup,nope:3"): "the baselines plain, plain_kernels, oracle:K",
+        ("bench", "--datasets", "gsm8k,nope"): "the datasets are mtbench, humaneval, gsm8k, copy",
+        ("demo", "--methods", "prompt_lookup", "eagle3"): "unrecognized arguments: eagle3",  # no space lists
+        ("demo", "--repeats", "0"): "must be 1 or more",
+    }
+    for argv, message in refused.items():
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(list(argv))
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and "Traceback" not in err, argv
+
+
+def test_user_errors_print_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", "x", "-o", "nonsense"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("hf-specdec: error: --option: 'nonsense': method options are given as "
+                                       "KEY=VALUE.\n")
+    missing = ["train", "eagle3", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "nope.json")]
+    monkeypatch.setenv("HF_SPECDEC_DEBUG", "1")  # the exception itself, traceback and all
+    with pytest.raises(FileNotFoundError, match="neither 'sharegpt' nor a file"):
+        cli.main(missing)
+
+
+def test_user_error_exit_status_without_traceback(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_SPECDEC_DEBUG"}
+    res = subprocess.run([sys.executable, "-m", "hf_specdec.cli", "train", "eagle3", "--out", str(tmp_path / "o"),
+                          "--data", str(tmp_path / "nope.json")], capture_output=True, text=True, env=env)
+    assert res.returncode == 2
+    assert res.stderr.startswith("hf-specdec: error: --data: ") and "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------- demo
+def test_demo_repeats_interleaved_and_checked(capsys, monkeypatch):
+    """The demo on a tiny model: every repeat of every method checked against plain greedy decoding, medians,
+    drafts and flags reported, the expected time printed first (nothing is timed here)."""
+    from hf_specdec import default_model, demo
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:60] }}{% endfor %}"
+    monkeypatch.setattr(default_model, "load_smollm2", lambda verbose=True: (model, tok))
+    monkeypatch.setattr(demo, "available_demo_methods", lambda model, drafters=None, only=None, **kw: {
+        "prompt_lookup": {}})  # no shipped drafter fits the tiny model
+    calls = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **kw: calls.append(
+        "method" if kw.get("custom_generate") else "plain") or generate(*a, **kw))
+    summary, rows = demo.run_demo(max_new_tokens=6, methods=["prompt_lookup"], repeats=2)
+    out = capsys.readouterr().out
+    assert "timed runs: 5 prompts x 2 repeats x (plain, padded plain + 1 method) = 30 generations" in out
+    assert out.index("timed runs:") < out.index("repeat 1/2")
+    assert out.count("repeat 2/2:") == 5 and "drafts proposed" in out
+    timed = calls[4:]  # after the warm-up (plain, padded plain, the method) and the full plain generation
+    assert timed[:6] == ["plain", "plain", "method"] * 2  # plain, padded plain, the method; again
+    assert len(rows) == 5 and all(r["same"] and r["repeats"] == 2 for r in rows)
+    for r in rows:
+        assert {"proposed_drafts", "accepted_drafts", "tau", "spread", "noisy", "disturbed"} <= set(r)
+        assert r["proposed_drafts"] >= r["accepted_drafts"] >= 0 and len(r["spec_times"]) == 2
+    assert {method for method, _ in summary} == {"prompt_lookup"} and {kind for _, kind in summary} == {
+        "copy", "chat", "math"}
+    assert all("proposed_drafts" in s and "noisy" in s for s in summary.values())
+
+
+def test_demo_flags_noisy_and_impossible_rows():
+    from hf_specdec import demo
+
+    stats = [{"acceptance_length": 1.0, "proposed_drafts": 10, "accepted_drafts": 0}] * 3
+    steady = {"plain": [1.0, 1.0, 1.0], "kernels": [0.8, 0.8, 0.8], "m": [0.79, 0.8, 0.81]}
+    row = demo._row("chat", 0, "m", "m", 8, steady, stats, True, cpu=True)
+    assert not row["noisy"] and not row["disturbed"] and row["proposed_drafts"] == 10
+    busy = dict(steady, m=[0.5, 0.8, 1.0])  # speedups 2.0, 1.25, 1.0: (max - min) / median = 80 %
+    row = demo._row("chat", 0, "m", "m", 8, busy, stats, True, cpu=True)
+    assert row["noisy"] and abs(row["spread"] - 0.8) < 1e-9 and "noisy: 80%" in demo._row_line(row, 5)
+    slowed_plain = dict(steady, kernels=[1.6, 1.6, 1.6])  # 2x over the matched loop with tau 1: impossible
+    row = demo._row("chat", 0, "m", "m", 8, slowed_plain, stats, True, cpu=True)
+    assert row["disturbed"] and "disturbed" in demo._row_line(row, 5)
+    assert demo.disturbed(2.0, tau=1.8) is False and demo.disturbed(2.8, tau=1.8) is True
+    assert demo.disturbed(1.35, tau=1.0) is True and demo.disturbed(None, tau=1.0) is False

@@ -22,13 +22,28 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
   with the model's own kernels (CPU only)
 * ``runs``: one record per (method, prompt): ``method, dataset, prompt_id, new_tokens, seconds,
   prefill_seconds, target_forwards, forward_sizes, target_forward_seconds, drafter_forward_seconds, tau,
-  ceiling, identical, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated memory on
-  CUDA), ``peak_abs_mb`` (absolute peak) and ``stats`` (hf_specdec's ``speculative_stats``, when available)
+  ceiling, identical, loaded, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated
+  memory on CUDA), ``peak_abs_mb`` (absolute peak) and ``stats`` (hf_specdec's ``speculative_stats``, when available)
 * ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
   efficiency, draft_share, loop_overhead (time outside the target's forwards and the drafting per target forward,
-  relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches`` and, when ``plain_kernels`` ran,
-  ``speedup_vs_kernels`` (median per-prompt ratio against it)
+  relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches``, ``proposed_drafts`` and
+  ``accepted_drafts`` (summed over the prompts; ``None`` for a run without ``speculative_stats``) and, when
+  ``plain_kernels`` ran, ``speedup_vs_kernels`` (median per-prompt ratio against it)
 * ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
+* ``background_load``: ``{"mode": "off" | "on" | "both", "processes", "pids"}`` (see below)
+
+Background load (``background_load="on"`` / ``"both"``, ``hf-specdec bench --background-load``): a separate process
+keeps one CPU core busy with a pure-Python loop (:func:`hf_specdec.bench.load.background_load`) while the timed rows
+run; the warm-up and the cost curve always run quiet. ``"on"`` runs every row under the load (the summary keeps its
+usual keys). ``"both"`` runs each prompt twice in the same invocation, quiet and loaded, alternating which comes
+first from prompt to prompt (the load is started before the loaded round and terminated after it), so that drift
+falls on both conditions alike. Every run record then has ``loaded: true/false``, and each summary row holds the quiet
+figures under the usual keys and the loaded ones beside them with the suffix ``_loaded`` (``tau_loaded``,
+``proposed_drafts_loaded``, ``speedup_median_loaded``, ``speedup_vs_kernels_loaded``, ...; see
+:data:`LOADED_FIELDS`). Every output, loaded or not, is compared with the baseline of the same round.
+
+Besides ``bench.json``, :func:`write_outputs` writes ``bench.md`` (the table :func:`markdown` prints), ``bench.csv``
+(the summary, one row per method and dataset, the same keys as ``summary``) and PNG plots.
 """
 
 from __future__ import annotations
@@ -41,7 +56,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +65,7 @@ from .. import registry
 from ..entry import decoding_method
 from ..kernels import padded_plain_decoding
 from ..runners import runner_for
+from . import load as load_mod
 from .data import DATASETS, load
 from .oracle import OracleProposer
 
@@ -145,6 +161,35 @@ class BenchMethod:
 
 
 BASELINES = ("plain", "plain_kernels", "oracle:K", "hf_prompt_lookup:K", "hf_assisted")
+BACKGROUND_LOAD_MODES = ("off", "on", "both")
+
+
+def method_names() -> list[str]:
+    """Every name a bench method string may start with: the registered methods and their shorthands, then the
+    baselines (``oracle:K`` etc. as written in :data:`BASELINES`).
+
+    Example:
+        >>> method_names()[:3]
+        ['prompt_lookup', 'assisted', 'eagle3']
+    """
+    return list(dict.fromkeys(n for m in registry.methods() for n in [m.name, *m.shorthands])) + list(BASELINES)
+
+
+def check_method_name(spec: str) -> str:
+    """``spec`` if its name (the part before the first ``:``) is a registered method, a shorthand or a baseline;
+    else :class:`~hf_specdec.registry.UnknownMethodError` listing them. The options after the name are checked by
+    :func:`build_methods`.
+
+    Example:
+        >>> check_method_name("eagle3_chain:3")
+        'eagle3_chain:3'
+    """
+    base = spec.partition(":")[0]
+    registered = method_names()[: -len(BASELINES)]
+    if base in registered or base in {b.partition(":")[0] for b in BASELINES}:
+        return spec
+    raise registry.UnknownMethodError(f"Unknown benchmark method {spec!r}: the methods are {', '.join(registered)}, "
+                                      f"and the baselines {', '.join(BASELINES)}.")
 
 
 def _baseline(base: str, arg: str, name: str, drafter) -> BenchMethod | None:
@@ -182,12 +227,8 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
         if entry is not None:
             methods.append(entry)
             continue
-        try:
-            record, opts = registry.parse_spec(name)
-        except registry.UnknownMethodError:
-            raise ValueError(f"Unknown benchmark method {name!r}: the methods are "
-                             f"{', '.join(dict.fromkeys(n for m in registry.methods() for n in [m.name, *m.shorthands]))}, "
-                             f"and the baselines {', '.join(BASELINES)}.") from None
+        check_method_name(name)
+        record, opts = registry.parse_spec(name)
         if record.drafter is not None:
             flag = record.drafter_flag
             module = by_flag.get(flag)
@@ -256,9 +297,26 @@ def _encode(tokenizer, texts, device):
 
 def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str], limit: int, max_new_tokens: int,
               batch_size: int = 1, drafter=None, out: str | None = None, memory_check: int = 0,
-              progress: bool = True, config: dict | None = None, seed: int = 0) -> dict:
+              progress: bool = True, config: dict | None = None, seed: int = 0,
+              background_load: str = "off") -> dict:
+    """Run the baseline and ``methods`` on the first ``limit`` prompts of each of ``datasets``; return the result
+    (schema at the top of this module) and write it to ``out`` when given.
+
+    ``background_load``: ``"off"`` (default), ``"on"`` (every timed row under a synthetic load keeping one core
+    busy) or ``"both"`` (each prompt quiet and loaded in turn; the summary holds both, loaded keys with the suffix
+    ``_loaded``).
+
+    Example::
+
+        methods = build_methods(["plain_kernels", "prompt_lookup"])
+        result = run_bench(model, tok, methods, ["gsm8k"], limit=5, max_new_tokens=128, background_load="both")
+        print(markdown(result))
+    """
     from tqdm.auto import tqdm
 
+    if background_load not in BACKGROUND_LOAD_MODES:
+        raise ValueError(f"background_load must be one of {', '.join(BACKGROUND_LOAD_MODES)}, "
+                         f"got {background_load!r}.")
     device = model.device
     time_calls = device.type != "cuda"  # per-forward timing would add a sync per forward on a GPU
     probe = ForwardProbe(model, time_calls)
@@ -293,6 +351,16 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
         stats = getattr(out, "speculative_stats", None)
         return sequences, seconds, peak, stats
 
+    def round_of(order, enc):
+        """The baseline first (the oracles need its output), then the methods: one record each."""
+        ref, t_ref, mem_ref, _ = one(None, enc)
+        records = [(None, ref, t_ref, mem_ref, None, list(probe.sizes), list(probe.seconds), [])]
+        for m in order:
+            seq, secs, mem, stats = one(m, enc, ref)
+            records.append((m, seq, secs, mem, stats, list(probe.sizes), list(probe.seconds),
+                            list(dprobe.seconds) if dprobe is not None else []))
+        return ref, records
+
     # ---- warm-up: every method once, short
     first = next(iter(prompts.values()))[:batch_size]
     enc0 = _encode(tokenizer, [p.text for p in first], device)
@@ -300,56 +368,54 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     for m in methods:
         one(m, enc0, ref0)
 
-    # ---- the cost of a forward over q new tokens, over a realistic cache
+    # ---- the cost of a forward over q new tokens, over a realistic cache (always without the background load)
     sizes = list(range(1, 33))
     ctx = enc0["input_ids"][:1]
     ctx = ctx.repeat(1, max(1, 256 // ctx.shape[1] + 1))[:, :256].repeat(batch_size, 1)
     curve = forward_cost_curve(model, ctx, sizes)
     curve_own = forward_cost_curve(model, ctx, sizes, kernels=False) if device.type == "cpu" else None
 
+    # ---- the timed rows: per prompt (batch), one round per load condition
+    conditions = {"off": (False,), "on": (True,), "both": (False, True)}[background_load]
+    load_pids: list[int] = []
+
+    def nothing():
+        return contextlib.nullcontext()
+
+    whole_run_load = (lambda: _loaded(load_pids)) if background_load == "on" else nothing
+    round_load = (lambda: _loaded(load_pids)) if background_load == "both" else nothing
+
     runs = []
-    total = sum((len(p) + batch_size - 1) // batch_size for p in prompts.values())
+    total = sum((len(p) + batch_size - 1) // batch_size for p in prompts.values()) * len(conditions)
     bar = tqdm(total=total, desc="bench", disable=not progress, file=sys.stderr)
     step = 0
-    for ds, plist in prompts.items():
-        for i in range(0, len(plist), batch_size):
-            batch = plist[i:i + batch_size]
-            enc = _encode(tokenizer, [p.text for p in batch], device)
-            prompt_len = enc["input_ids"].shape[1]
-            # the baseline first (the oracles need its output), then the methods in a rotating order
-            order = methods[step % len(methods):] + methods[: step % len(methods)] if methods else []
-            step += 1
-            ref, t_ref, mem_ref, _ = one(None, enc)
-            records = [(None, ref, t_ref, mem_ref, None, list(probe.sizes), list(probe.seconds), [])]
-            for m in order:
-                seq, secs, mem, stats = one(m, enc, ref)
-                records.append((m, seq, secs, mem, stats, list(probe.sizes), list(probe.seconds),
-                                list(dprobe.seconds) if dprobe is not None else []))
-            for m, seq, secs, mem, stats, fsizes, fsecs, dsecs in records:
-                new_tokens = int(seq.shape[1] - prompt_len) * seq.shape[0]
-                decode_sizes = fsizes[1:]
-                n_decode = max(new_tokens - seq.shape[0], 0)
-                cost = sum(_relative_cost(curve, q) for q in decode_sizes)
-                runs.append(dict(
-                    method=m.name if m else "plain", dataset=ds, prompt_id=",".join(p.id for p in batch),
-                    new_tokens=new_tokens, seconds=secs, prefill_seconds=fsecs[0] if fsecs else None,
-                    target_forwards=len(fsizes), forward_sizes=decode_sizes,
-                    target_forward_seconds=sum(fsecs), drafter_forward_seconds=sum(dsecs),
-                    tau=(n_decode / seq.shape[0]) / len(decode_sizes) if decode_sizes else None,
-                    ceiling=(n_decode / seq.shape[0]) / cost if cost else None,
-                    identical=bool(seq.shape == ref.shape and torch.equal(seq.cpu(), ref.cpu())),
-                    peak_mem_mb=mem[0], peak_abs_mb=mem[1], stats=stats, batch=len(batch),
-                ))
-            bar.update(1)
-    bar.close()
-    probe.remove()
-    if dprobe is not None:
-        dprobe.remove()
+    try:
+        with whole_run_load():  # "on": one load process for every timed round
+            for ds, plist in prompts.items():
+                for i in range(0, len(plist), batch_size):
+                    batch = plist[i:i + batch_size]
+                    enc = _encode(tokenizer, [p.text for p in batch], device)
+                    # the methods in an order that rotates from prompt to prompt; with both load conditions,
+                    # which one comes first alternates too
+                    order = methods[step % len(methods):] + methods[: step % len(methods)] if methods else []
+                    for loaded in (conditions if step % 2 == 0 else conditions[::-1]):
+                        with round_load() if loaded else nothing():  # "both": a load per loaded round
+                            ref, records = round_of(order, enc)
+                        runs.extend(_run_records(records, ref, curve, ds, batch, enc["input_ids"].shape[1], loaded))
+                        bar.update(1)
+                    step += 1
+    finally:
+        bar.close()
+        probe.remove()
+        if dprobe is not None:
+            dprobe.remove()
 
     result = {
         "schema": SCHEMA,
         "machine": _machine(device),
         "config": config or {},
+        "background_load": {"mode": background_load, "processes": 1 if background_load != "off" else 0,
+                            "pids": load_pids},
         "cost_curve_ms": curve,
         "cost_curve_model_kernels_ms": curve_own,
         "runs": runs,
@@ -360,6 +426,35 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     if out:
         write_outputs(result, out)
     return result
+
+
+@contextlib.contextmanager
+def _loaded(pids: list[int]):
+    """:func:`~hf_specdec.bench.load.background_load` (one busy core), recording the load's process ids."""
+    with load_mod.background_load(1) as procs:
+        pids.extend(p.pid for p in procs)
+        yield procs
+
+
+def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool) -> list[dict]:
+    """The ``runs`` entries of one round (the baseline and every method on one prompt batch)."""
+    runs = []
+    for m, seq, secs, mem, stats, fsizes, fsecs, dsecs in records:
+        new_tokens = int(seq.shape[1] - prompt_len) * seq.shape[0]
+        decode_sizes = fsizes[1:]
+        n_decode = max(new_tokens - seq.shape[0], 0)
+        cost = sum(_relative_cost(curve, q) for q in decode_sizes)
+        runs.append(dict(
+            method=m.name if m else "plain", dataset=dataset, prompt_id=",".join(p.id for p in batch),
+            new_tokens=new_tokens, seconds=secs, prefill_seconds=fsecs[0] if fsecs else None,
+            target_forwards=len(fsizes), forward_sizes=decode_sizes,
+            target_forward_seconds=sum(fsecs), drafter_forward_seconds=sum(dsecs),
+            tau=(n_decode / seq.shape[0]) / len(decode_sizes) if decode_sizes else None,
+            ceiling=(n_decode / seq.shape[0]) / cost if cost else None,
+            identical=bool(seq.shape == ref.shape and torch.equal(seq.cpu(), ref.cpu())),
+            loaded=loaded, peak_mem_mb=mem[0], peak_abs_mb=mem[1], stats=stats, batch=len(batch),
+        ))
+    return runs
 
 
 def _memory_check(model, tokenizer, methods, enc, ref, gen, calls, one):
@@ -395,7 +490,33 @@ def _machine(device):
     }
 
 
+LOADED_FIELDS = ("tau", "proposed_drafts", "accepted_drafts", "tokens_per_s", "speedup_median", "speedup_total",
+                 "speedup_vs_kernels", "ceiling", "efficiency", "draft_share", "loop_overhead", "mismatches")
+"""The summary keys that also appear with the suffix ``_loaded`` when the bench ran with ``background_load="both"``."""
+
+
 def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
+    """One row per (method, dataset) (keys in the module's schema). Runs of both load conditions: the quiet figures
+    under the usual keys, the loaded ones of the same method and dataset beside them (:data:`LOADED_FIELDS` with
+    the suffix ``_loaded``)."""
+    quiet = [r for r in runs if not r.get("loaded")]
+    loaded = [r for r in runs if r.get("loaded")]
+    if not quiet or not loaded:
+        return _summarize(runs, curve)
+    rows = _summarize(quiet, curve)
+    under_load = {(r["dataset"], r["method"]): r for r in _summarize(loaded, curve)}
+    for row in rows:
+        other = under_load.get((row["dataset"], row["method"]), {})
+        row.update({f"{key}_loaded": other[key] for key in LOADED_FIELDS if key in other})
+    return rows
+
+
+def mismatches(result: dict) -> int:
+    """How many runs of a bench result (any method, any load condition) differ from their baseline."""
+    return sum(not r["identical"] for r in result["runs"])
+
+
+def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
     by_prompt = {}
     for r in runs:
         by_prompt.setdefault((r["dataset"], r["prompt_id"]), {})[r["method"]] = r
@@ -438,6 +559,10 @@ def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                 peak_mem_mb=max(r["peak_mem_mb"] for r in mine),
                 peak_abs_mb=max(r["peak_abs_mb"] for r in mine),
                 mismatches=sum(not r["identical"] for r in mine),
+                proposed_drafts=(sum(r["stats"]["proposed_drafts"] for r in mine)
+                                 if all(r.get("stats") for r in mine) else None),
+                accepted_drafts=(sum(r["stats"]["accepted_drafts"] for r in mine)
+                                 if all(r.get("stats") for r in mine) else None),
             ))
             kernel_pairs = [(g["plain_kernels"], g[m]) for (d, _), g in by_prompt.items()
                             if d == ds and m in g and "plain_kernels" in g]
@@ -446,24 +571,51 @@ def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
     return rows
 
 
+_COLUMNS = (  # (header, summary key, format); a trailing "x" in the format is written after the number
+    ("dataset", "dataset", ""), ("method", "method", ""), ("prompts", "prompts", "d"),
+    ("τ", "tau", ".2f"), ("proposed drafts", "proposed_drafts", "d"), ("tok/s", "tokens_per_s", ".1f"),
+    ("speedup (median)", "speedup_median", ".2fx"), ("speedup (total)", "speedup_total", ".2fx"),
+    ("vs plain_kernels (median)", "speedup_vs_kernels", ".2fx"), ("ceiling", "ceiling", ".2f"),
+    ("efficiency", "efficiency", ".2f"), ("draft share", "draft_share", ".1%"),
+    ("loop overhead", "loop_overhead", ".1%"), ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
+    ("mismatches", "mismatches", "d"),
+)
+_LOADED_COLUMNS = ("tau", "proposed_drafts", "tokens_per_s", "speedup_median", "speedup_vs_kernels", "mismatches")
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "–"
+    if fmt.endswith("x"):
+        return format(value, fmt[:-1]) + "x"
+    return format(value, fmt)
+
+
 def markdown(result: dict) -> str:
-    kernels = any("speedup_vs_kernels" in r for r in result["summary"])
-    lines = ["| dataset | method | prompts | τ | tok/s | speedup (median) | speedup (total) | "
-             + ("vs plain_kernels (median) | " if kernels else "")
-             + "ceiling | efficiency | draft share | loop overhead | peak +MB | peak MB | mismatches |",
-             "|" + "---|" * (15 if kernels else 14)]
+    """The summary as a markdown table, then the forward-cost curve (and the memory check, when it ran).
 
-    def f(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    for r in result["summary"]:
-        lines.append(
-            f"| {r['dataset']} | {r['method']} | {r['prompts']} | {f(r['tau'], '.2f')} | {r['tokens_per_s']:.1f} "
-            f"| {r['speedup_median']:.2f}x | {r['speedup_total']:.2f}x "
-            + (f"| {f(r.get('speedup_vs_kernels'), '.2f')}{'x' if 'speedup_vs_kernels' in r else ''} " if kernels else "")
-            + f"| {f(r['ceiling'], '.2f')} "
-            f"| {f(r['efficiency'], '.2f')} | {r['draft_share']:.1%} | {f(r['loop_overhead'], '.1%')} "
-            f"| {r['peak_mem_mb']:.0f} | {r['peak_abs_mb']:.0f} | {r['mismatches']} |")
+    A column appears when any row has it (``vs plain_kernels`` when ``plain_kernels`` ran); with
+    ``background_load="both"`` the loaded figures of τ, proposed drafts, tok/s, the speedups and mismatches stand
+    right after their quiet ones ("τ loaded", ...).
+    """
+    summary = result["summary"]
+    columns = []
+    for header, key, fmt in _COLUMNS:
+        if key == "speedup_vs_kernels" and not any(key in r for r in summary):
+            continue
+        columns.append((header, key, fmt))
+        if key in _LOADED_COLUMNS and any(f"{key}_loaded" in r for r in summary):
+            columns.append((f"{header.replace(' (median)', '')} loaded", f"{key}_loaded", fmt))
+    lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in summary:
+        lines.append("| " + " | ".join(_cell(r.get(key), fmt) for _, key, fmt in columns) + " |")
+    mode = (result.get("background_load") or {}).get("mode", "off")
+    if mode != "off":
+        lines.append("")
+        lines.append("Background load: " + (
+            "every timed row ran while another process kept one CPU core busy." if mode == "on" else
+            "every prompt ran quiet and, alternately before or after, while another process kept one CPU core busy "
+            "(the 'loaded' columns)."))
     curve = result["cost_curve_ms"]
     lines.append("")
     lines.append("Forward cost c(q) (ms, q new tokens over a 256-token cache): " + ", ".join(
@@ -485,9 +637,27 @@ def write_outputs(result: dict, out: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "bench.json").write_text(json.dumps(result, indent=1, default=float))
     (folder / "bench.md").write_text(markdown(result) + "\n")
+    write_csv(result["summary"], folder / "bench.csv")
     try:
         from .plots import plot_all
 
         plot_all(result, folder)
     except ImportError as err:
         print(f"(plots skipped: {err}; pip install matplotlib)", file=sys.stderr)
+
+
+def write_csv(summary: list[dict], path) -> None:
+    """The summary rows as CSV: one column per key (first-seen order), empty cells for ``None`` or absent keys.
+
+    Example::
+
+        write_csv(result["summary"], "bench_out/bench.csv")   # columns dataset, method, prompts, tau, ...
+    """
+    import csv
+
+    keys = list(dict.fromkeys(k for row in summary for k in row))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, restval="")
+        writer.writeheader()
+        for row in summary:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
