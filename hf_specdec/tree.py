@@ -73,18 +73,23 @@ class DraftTree:
         probs = None
         if draft_probs is not None:
             probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
-        depths = torch.arange(k + 1, device=device).expand(bsz, k + 1)
+        depths = torch.arange(k + 1, device=device).expand(bsz, k + 1) * valid  # padding nodes: depth 0
         return cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
 
     @property
     def depths(self) -> torch.LongTensor:
-        """``[B, N]`` depth of every node (root = 0)."""
+        """``[B, N]`` depth of every node (root = 0); padding nodes (``valid`` False) have depth 0.
+
+        A node is verified at position ``root_position + depth``. Padding nodes are masked out, but their position
+        must stay one the model can embed: a row that has just reached ``max_length`` next to the context window
+        would otherwise place them past it (GPT-2's position table has ``n_positions`` rows).
+        """
         if self._depths is None:
             depths = torch.zeros_like(self.parents)
             # parents come before children, so one pass in node order is enough
             for i in range(1, self.num_nodes):
                 depths[:, i] = depths.gather(1, self.parents[:, i:i + 1].clamp(min=0))[:, 0] + 1
-            self._depths = depths
+            self._depths = depths.masked_fill(~self.valid, 0)
         return self._depths
 
     @property

@@ -1,0 +1,420 @@
+"""Property test (hypothesis): speculative decoding never crashes and is token-for-token plain greedy ``generate()``.
+
+Each example draws a tiny random target (Llama, Qwen3, Gemma-3 text with sliding-window layers, GPT-2), a batch of
+left-padded prompts of different lengths, ``max_new_tokens``, EOS ids (none, a token the target is about to produce,
+or a list) and one built-in method with random options and, where it needs one, a random drafter built for the drawn
+target (EAGLE-3 and DFlash drafters bind to the target's hidden size and layer count). The property: the method's
+output equals ``model.generate(do_sample=False)`` on the same batch (fp32), row for row.
+
+Invalid draws that the library refuses on purpose are checked as such, not compared: a prompt plus
+``max_new_tokens`` past the target's context window (``max_position_embeddings``) raises a ``ValueError`` naming the
+window (plain ``generate()`` would run RoPE models past their trained length and index past GPT-2's position table).
+
+The examples are derandomized (the same draws on every run) and bounded, so the test takes about a minute on two CPU
+cores; the built targets and drafters are cached per drawn configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import hf_specdec
+from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
+from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+from hf_specdec.proposers import Proposer
+from hf_specdec.registry import builtin_methods
+from hf_specdec.tree import DraftTree
+
+PAD, EOS, BOS = 0, 1, 2
+ARCHS = ("llama", "qwen3", "gemma3", "gpt2")
+WIDE_WINDOW = 512  # the context window of most drawn targets: never reached
+MAX_PROMPT = 10
+MAX_NEW = 12
+EXAMPLES_PER_VARIANT = 10  # 50 draws in all
+
+
+# ------------------------------------------------------------------------------------------------ tiny models
+@dataclass(frozen=True)
+class TargetSpec:
+    """A tiny random target. ``layer_types`` and ``sliding_window`` are Gemma-3's; ``kv_heads`` is not used by
+    GPT-2 (no grouped-query attention)."""
+
+    arch: str
+    vocab: int
+    hidden: int
+    layers: int
+    kv_heads: int
+    seed: int
+    window: int = WIDE_WINDOW
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0
+
+
+def _sharpen(model, factor: float = 3.0):
+    """Scale every weight matrix: sharper logits, fewer near-ties between a random model's top tokens (a near-tie
+    could flip with the summation order of a batched verification forward, which is not what this test is about)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(factor)
+    return model
+
+
+_TARGETS: dict[TargetSpec, torch.nn.Module] = {}
+
+
+def build_target(spec: TargetSpec):
+    """The fp32 model of ``spec`` (eval mode, sdpa attention), built once per spec."""
+    if spec in _TARGETS:
+        return _TARGETS[spec]
+    torch.manual_seed(spec.seed)
+    common = dict(vocab_size=spec.vocab, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS)
+    attention = dict(hidden_size=spec.hidden, intermediate_size=2 * spec.hidden, num_hidden_layers=spec.layers,
+                     num_attention_heads=4, num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.window)
+    if spec.arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**attention, **common))
+    elif spec.arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**attention, head_dim=8, **common))
+    elif spec.arch == "gemma3":
+        config = Gemma3TextConfig(**attention, head_dim=8, sliding_window=spec.sliding_window,
+                                  layer_types=list(spec.layer_types), **common)
+        model = Gemma3ForCausalLM(config)
+    elif spec.arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=4,
+                                           n_positions=spec.window, **common))
+    else:
+        raise ValueError(spec.arch)
+    model.config._attn_implementation = "sdpa"
+    _TARGETS[spec] = _sharpen(model.eval())
+    return _TARGETS[spec]
+
+
+def _randomize(module, seed: int, scale: float):
+    """Seeded N(0, scale) weight matrices (norm weights stay 1): a drafter with opinions rather than the near-uniform
+    distributions of a freshly initialised one. The shared target embedding of an EAGLE-3 drafter is skipped."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2 and not name.startswith("embed_tokens"):
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return module
+
+
+_DRAFTERS: dict[tuple, torch.nn.Module] = {}
+
+
+def build_eagle3(target_spec: TargetSpec, layer_ids: tuple[int, int, int], draft_vocab: int, echo: bool, seed: int):
+    """A random EAGLE-3 drafter for the target of ``target_spec``: its width is the target's (it shares the target's
+    token embeddings), it fuses the target's ``hidden_states[layer_ids]``; a draft vocabulary smaller than the
+    target's maps through ``d2t`` / ``t2d`` as published drafters do.
+
+    A random drafter almost never agrees with the target, and a fuzzer whose drafts are all rejected never selects
+    an accepted tree path. ``echo`` (with ``layer_ids[0] == 0``, the target's input embeddings) builds one that mostly
+    drafts the token before the root again, with random perturbations: the tiny targets repeat tokens in runs, so its
+    drafts are often accepted, and when a run ends a second-ranked child of the tree sometimes is.
+    """
+    key = ("eagle3", target_spec, layer_ids, draft_vocab, echo, seed)
+    if key not in _DRAFTERS:
+        h = target_spec.hidden
+        config = Eagle3Config(hidden_size=h, intermediate_size=2 * h, num_attention_heads=4, num_key_value_heads=2,
+                              vocab_size=target_spec.vocab, draft_vocab_size=draft_vocab,
+                              num_target_layers=target_spec.layers, target_layer_ids=list(layer_ids))
+        torch.manual_seed(seed)
+        drafter = _randomize(Eagle3Drafter(config), seed, scale=0.5)
+        used = list(range(target_spec.vocab))
+        if draft_vocab < target_spec.vocab:
+            g = torch.Generator().manual_seed(seed)
+            used = sorted(torch.randperm(target_spec.vocab, generator=g)[:draft_vocab].tolist())
+            drafter.d2t.copy_(torch.tensor([t - i for i, t in enumerate(used)]))
+            drafter.t2d.zero_()
+            drafter.t2d[used] = True
+        if echo:
+            assert layer_ids[0] == 0
+            embeddings = build_target(target_spec).get_input_embeddings().weight
+            with torch.no_grad():
+                scale = 1 / float(embeddings.std())
+                drafter.fc.weight.mul_(0.02)
+                drafter.fc.weight[:, :h] += scale * torch.eye(h)  # the first fused feature: the token's embedding
+                drafter.midlayer.self_attn.o_proj.weight.mul_(0.02)
+                drafter.midlayer.mlp.down_proj.weight.mul_(0.02)
+                drafter.lm_head.weight.copy_(scale * embeddings[used])
+        _DRAFTERS[key] = drafter.eval()
+    return _DRAFTERS[key]
+
+
+def build_dflash(target_spec: TargetSpec, layers: int, layer_ids: tuple[int, ...], block_size: int,
+                 mask_token_id: int, sliding: bool, seed: int):
+    """A random DFlash drafter for the target of ``target_spec`` (the target's width: it uses the target's
+    embeddings and LM head), reading the outputs of target layers ``layer_ids``; ``sliding`` makes its first layer a
+    sliding-window one."""
+    key = ("dflash", target_spec, layers, layer_ids, block_size, mask_token_id, sliding, seed)
+    if key not in _DRAFTERS:
+        h = target_spec.hidden
+        layer_types = ["full_attention"] * layers
+        if sliding:
+            layer_types[0] = "sliding_attention"
+        config = DFlashConfig(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=8, vocab_size=target_spec.vocab, block_size=block_size,
+                              mask_token_id=mask_token_id, target_layer_ids=list(layer_ids),
+                              num_target_layers=target_spec.layers, layer_types=layer_types,
+                              sliding_window=3 if sliding else None)
+        torch.manual_seed(seed)
+        _DRAFTERS[key] = _randomize(DFlashDrafter(config), seed, scale=0.5).eval()
+    return _DRAFTERS[key]
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+# what each test case runs: every built-in method, EAGLE-3 with its two draft shapes
+VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
+            "eagle3_chain": "eagle3", "dflash": "dflash"}
+
+
+@st.composite
+def target_specs(draw, vocab: int, window: int = WIDE_WINDOW):
+    """A tiny target of any of :data:`ARCHS`: 1-3 layers, width 16-48, 1, 2 or 4 key/value heads."""
+    arch = draw(st.sampled_from(ARCHS))
+    layers = draw(st.integers(1, 3))
+    spec = dict(arch=arch, vocab=vocab, hidden=draw(st.sampled_from([16, 32, 48])), layers=layers,
+                kv_heads=draw(st.sampled_from([1, 2, 4])) if arch != "gpt2" else 4, seed=draw(st.integers(0, 3)),
+                window=window)
+    if arch == "gemma3":
+        # at least one sliding layer and a window shorter than the sequences: the window really slides
+        types = draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]), min_size=layers,
+                              max_size=layers).filter(lambda t: "sliding_attention" in t))
+        spec.update(layer_types=tuple(types), sliding_window=draw(st.integers(2, 6)))
+    return TargetSpec(**spec)
+
+
+@st.composite
+def batches(draw, vocab: int):
+    """``(input_ids, attention_mask)``: 1-3 rows of 1-10 real tokens, left padded to the longest. Rows are random
+    or copy-friendly (a repeated chunk, so prompt lookup finds n-grams); any id may appear, EOS and pad ids too."""
+    bsz = draw(st.integers(1, 3))
+    rows = []
+    for _ in range(bsz):
+        n = draw(st.integers(1, MAX_PROMPT))
+        if draw(st.booleans()):
+            chunk = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4))
+            row = (chunk * n)[:n]
+        else:
+            row = draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n))
+        rows.append(row)
+    width = max(len(r) for r in rows)
+    ids = torch.full((bsz, width), PAD, dtype=torch.long)
+    mask = torch.zeros(bsz, width, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):] = torch.tensor(row)
+        mask[b, width - len(row):] = 1
+    return ids, mask
+
+
+# mostly constant: the adaptive schedule soon stops drafting with a random drafter (or on a short output)
+SCHEDULES = st.sampled_from(["constant", "adaptive", "constant"])
+
+
+@st.composite
+def method_options(draw, variant: str, spec: TargetSpec):
+    """The options of one ``variant`` of :data:`VARIANTS`, its drafter (if any) built for the target of ``spec``."""
+    opts = {"draft_length_schedule": draw(SCHEDULES)}
+    if variant == "prompt_lookup":
+        opts.update(prompt_lookup_num_tokens=draw(st.sampled_from([None, 1, 3, 8])),
+                    max_matching_ngram_size=draw(st.sampled_from([None, 1, 2, 4])))
+    elif variant == "assisted":
+        # the target itself (every draft accepted), or another tiny model with the same vocabulary
+        if draw(st.sampled_from(["self", "other"])) == "self":
+            drafter = build_target(spec)
+        else:
+            drafter = build_target(draw(target_specs(spec.vocab)))
+        opts.update(drafter=drafter, num_speculative_tokens=draw(st.sampled_from([None, 1, 2, 5])),
+                    draft_vocab=draw(st.sampled_from([None, "full", "even"])))
+        if opts["draft_vocab"] == "even":  # half the vocabulary: drafts outside it are never proposed
+            opts["draft_vocab"] = list(range(0, spec.vocab, 2))
+    elif variant in ("eagle3_tree", "eagle3_chain"):
+        # three hidden_states indices in 0..layers (repeats allowed: a 1-layer target has only two)
+        layer_ids = sorted(draw(st.lists(st.integers(0, spec.layers), min_size=3, max_size=3)))
+        echo = draw(st.sampled_from([True, False]))
+        if echo:
+            layer_ids[0] = 0
+        draft_vocab = draw(st.sampled_from([spec.vocab, spec.vocab // 2]))
+        opts["drafter"] = build_eagle3(spec, tuple(layer_ids), draft_vocab, echo, seed=draw(st.integers(0, 2)))
+        if variant == "eagle3_chain":
+            opts["num_speculative_tokens"] = draw(st.integers(1, 5))
+        else:  # any option left out takes its default
+            top_k, depth = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+            opts.update(tree_top_k=draw(st.sampled_from([top_k, None])), tree_depth=draw(st.sampled_from([depth, None])),
+                        tree_total_tokens=draw(st.sampled_from([None] + list(range(2, 2 + top_k * depth + 2)))))
+    elif variant == "dflash":
+        layers = draw(st.integers(1, 2))
+        layer_ids = tuple(sorted(draw(st.lists(st.integers(0, spec.layers - 1), min_size=1, max_size=2))))
+        block = draw(st.integers(2, 5))
+        opts["drafter"] = build_dflash(spec, layers, layer_ids, block, mask_token_id=draw(st.integers(0, spec.vocab - 1)),
+                                       sliding=draw(st.booleans()), seed=draw(st.integers(0, 2)))
+        opts["block_size"] = draw(st.sampled_from([None] + list(range(2, block + 1))))
+    else:
+        raise ValueError(variant)
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+@st.composite
+def scenarios(draw, variant: str):
+    """One call of ``variant``: the target, the batch, the generation settings, the method's options.
+
+    The target's context window is usually out of reach; now and then it is set around the longest row plus
+    ``max_new_tokens``: exactly filled (must work, GPT-2's last position included) or overrun by a token or two (the
+    documented ``ValueError``)."""
+    vocab = draw(st.sampled_from([16, 64, 12, 128]))  # small vocabularies: random drafts are right more often
+    ids, mask = draw(batches(vocab))
+    max_new = draw(st.integers(1, MAX_NEW))
+    slack = draw(st.sampled_from([None] * 6 + [0, 1, -1]))
+    window = WIDE_WINDOW if slack is None else int(mask.sum(1).max()) + max_new + slack
+    spec = draw(target_specs(vocab, window))
+    return dict(spec=spec, ids=ids, mask=mask, max_new=max_new,
+                eos=draw(st.sampled_from(["none", "likely", "list"])), eos_pick=draw(st.integers(0, 10 ** 6)),
+                pad=draw(st.sampled_from([None, EOS])),  # None: the config's pad id (0); EOS: GPT-2's habit
+                call=(VARIANTS[variant], draw(method_options(variant, spec))),
+                entry=draw(st.sampled_from(["callable", "folder"])),
+                cache=draw(st.sampled_from([None, None, None, "static"])))
+
+
+# ------------------------------------------------------------------------------------------------ the property
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Run the tiny models on one thread: their matrices are too small to split, and on a machine whose cores are
+    busy with other work two threads that wait for each other made an example 10-50x slower (seconds, not 0.1 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def plain(model, ids, mask, **kw):
+    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kw)
+
+
+def speculative(model, ids, mask, method, opts, entry, **kw):
+    if entry == "folder":
+        kw.update(custom_generate=hf_specdec.custom_generate_path(method), trust_remote_code=True)
+    else:
+        kw.update(custom_generate=hf_specdec.decoding_method(method))
+    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **opts, **kw)
+
+
+def eos_ids(choice: str, pick: int, free: torch.LongTensor, prompt_len: int):
+    """``None``, one token of the free-running plain output (so some row really stops there), or a list of two."""
+    if choice == "none":
+        return None
+    new = free[:, prompt_len:].reshape(-1).tolist()
+    first = new[pick % len(new)]
+    if choice == "likely":
+        return first
+    return [first, new[(pick // 7) % len(new)] if len(new) > 1 else EOS]
+
+
+def past_the_window(spec: TargetSpec, mask: torch.LongTensor, max_new: int) -> bool:
+    """The longest row plus ``max_new_tokens`` does not fit the target's context window."""
+    return int(mask.sum(1).max()) + max_new > spec.window
+
+
+def check_scenario(spec, ids, mask, max_new, eos, eos_pick, call, entry, cache, pad=None):
+    """The property for one draw (also the body of the regression tests)."""
+    model = build_target(spec)
+    method, opts = call
+    kw = dict(max_new_tokens=max_new)
+    if cache is not None:
+        kw["cache_implementation"] = cache
+    if pad is not None:  # the id finished rows are padded with
+        kw["pad_token_id"] = pad
+    if past_the_window(spec, mask, max_new):
+        with pytest.raises(ValueError, match="context window"):
+            speculative(model, ids, mask, method, opts, entry, eos_token_id=None, **kw)
+        return
+    free = plain(model, ids, mask, eos_token_id=None, **kw)
+    kw["eos_token_id"] = eos_ids(eos, eos_pick, free, ids.shape[1])
+    ref = free if kw["eos_token_id"] is None else plain(model, ids, mask, **kw)
+    out = speculative(model, ids, mask, method, opts, entry, **kw)
+    assert out.shape == ref.shape and torch.equal(out, ref), (
+        f"{method} {opts} differs from plain generate():\nplain {ref.tolist()}\nspec  {out.tolist()}")
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@settings(max_examples=EXAMPLES_PER_VARIANT, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_speculative_greedy_is_plain_greedy(variant, data):
+    check_scenario(**data.draw(scenarios(variant), label="scenario"))
+
+
+def test_every_builtin_method_is_drawn():
+    """The fuzzer covers the registry: a new built-in method must get a variant in :data:`VARIANTS`."""
+    assert set(VARIANTS.values()) == set(builtin_methods())
+
+
+# ------------------------------------------------------------------------------------------------ regressions
+# Bugs the fuzzer found, shrunk to their smallest form. Both crashed GPT-2 (absolute positions: a position id past
+# n_positions indexes out of its position table) while RoPE models silently computed a throw-away row.
+
+def test_gpt2_prompt_next_to_the_window_calibrates_only_usable_sizes():
+    """The cost calibration before the first step timed forwards of up to ``proposer.max_nodes`` tokens (21 for
+    prompt lookup) at the root's position: past the window when the prompt nearly fills it, although the call itself
+    fits (found as: a 1-token prompt, ``max_new_tokens=2``, a 14-position GPT-2)."""
+    spec = TargetSpec("gpt2", vocab=64, hidden=16, layers=1, kv_heads=4, seed=0, window=14)
+    ids, mask = torch.tensor([[5] * 10]), torch.ones(1, 10, dtype=torch.long)
+    check_scenario(spec, ids, mask, max_new=4, eos="none", eos_pick=0, call=("prompt_lookup", {}), entry="callable",
+                   cache=None)
+
+
+class ScriptedChain(Proposer):
+    """Drafts the target's true continuation (``reference``): ``script[step][b]`` tokens for row ``b`` at each step
+    (capped by the row's budget), so a test decides which rows accept how much."""
+
+    name = "scripted_chain"
+
+    def __init__(self, reference: torch.LongTensor, script: list[list[int]]):
+        self.reference = reference
+        self.script = script
+        self.max_nodes = 1 + max(max(step) for step in script)
+        self.step = 0
+
+    def propose(self, state):
+        wanted = self.script[min(self.step, len(self.script) - 1)]
+        self.step += 1
+        counts = [min(n, state.max_drafts[b]) for b, n in enumerate(wanted)]
+        width = max(counts)
+        if width == 0:
+            return None
+        drafts = torch.zeros(state.batch_size, width, dtype=torch.long)
+        for b, n in enumerate(counts):
+            start = state.lengths[b]
+            drafts[b, :n] = self.reference[b, start:start + n]
+        return DraftTree.chain(state.roots(), drafts, torch.tensor(counts))
+
+
+def test_gpt2_padding_nodes_of_a_finished_row_stay_inside_the_window():
+    """A batch whose rows take different numbers of drafts pads the shorter trees; the padding nodes sat at
+    ``root_position + depth`` like real ones, so a row that had just filled the window (here: row 0 accepts two
+    drafts and finishes, row 1 still drafts one) placed them past GPT-2's position table."""
+    spec = TargetSpec("gpt2", vocab=16, hidden=16, layers=1, kv_heads=4, seed=1, window=14)
+    model = build_target(spec)
+    ids = torch.tensor([[7, 3, 9, 4, 7, 3, 9, 4, 7, 3], [0] * 9 + [5]])
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    kw = dict(max_new_tokens=4, eos_token_id=None, do_sample=False)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    proposer = ScriptedChain(ref, script=[[2, 0], [0, 1]])
+    out = model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_specdec.decoding_method(proposer), **kw)
+    assert torch.equal(out, ref)
