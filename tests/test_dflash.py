@@ -217,7 +217,7 @@ def test_adaptive_backs_off_from_a_drafter_that_does_not_pay(bsz, monkeypatch):
                           custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
     assert torch.equal(out.sequences, ref)
     assert out.speculative_stats["proposed_drafts"] == 0
-    assert 0 < len(calls) <= 6  # 40 steps: probes after 1, 2, 4, 8, 16 skipped steps
+    assert 0 < len(calls) <= 7  # 40 steps: two misses (hysteresis), then probes after 1, 2, 4, 8, 16 skipped steps
 
 
 def test_adaptive_backs_off_when_drafting_costs_more_than_it_saves(monkeypatch):

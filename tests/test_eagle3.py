@@ -309,7 +309,7 @@ def test_adaptive_tree_backs_off_when_drafting_cannot_pay(monkeypatch):
                               custom_generate=hf_specdec.decoding_method("eagle3"), drafter=drafter,
                               tree_top_k=3, tree_depth=3, tree_total_tokens=8)
         assert torch.equal(out.sequences, ref)
-        assert out.speculative_stats["target_forward_passes"] >= 30 and len(calls) <= 6 * 3  # 6 proposals at most
+        assert out.speculative_stats["target_forward_passes"] >= 30 and len(calls) <= 7 * 3  # 7 proposals at most (two misses, then back-off)
 
 
 def test_adaptive_tree_drafts_every_step_when_drafting_is_free(monkeypatch):
