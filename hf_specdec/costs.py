@@ -83,6 +83,7 @@ class ForwardCostModel:
         self.window = window
         self.times: dict[int, RecentMinimum] = {}
         self.clock = 0  # forwards recorded
+        self._estimates: tuple[int, dict[int, float]] = (-1, {})  # (clock, seconds): read many times per step
 
     def record(self, q: int, seconds: float) -> None:
         self.clock += 1
@@ -90,8 +91,10 @@ class ForwardCostModel:
 
     @property
     def seconds(self) -> dict[int, float]:
-        """``{q: estimated seconds}`` of every measured size."""
-        return {q: t.value(self.clock) for q, t in self.times.items()}
+        """``{q: estimated seconds}`` of every measured size (computed once per recorded forward)."""
+        if self._estimates[0] != self.clock:
+            self._estimates = (self.clock, {q: t.value(self.clock) for q, t in self.times.items()})
+        return self._estimates[1]
 
     def relative(self, q: int) -> float:
         """Cost of a ``q``-token forward in units of a one-token forward."""

@@ -86,9 +86,9 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
 
     path = drafter_source(path) if revision is None else str(path)
     config = AutoConfig.from_pretrained(path, revision=revision)
+    if Path(path).is_dir():
+        check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
     if not getattr(config, SHARED_FLAG, False):
-        if Path(path).is_dir():
-            check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=target.dtype)
         return model.to(target.device).eval()
     text, mine = target.config.get_text_config(), config.get_text_config()
@@ -97,8 +97,6 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
             raise ValueError(f"The draft model at {path} was trained for a target with {field}="
                              f"{getattr(mine, field)}, but this target has {field}={getattr(text, field)}: it "
                              "shares the target's embeddings, so it only works with the target it was trained for.")
-    if Path(path).is_dir():
-        check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
     state = load_file(_resolve(path, WEIGHTS, revision))
     vocab = state.pop(VOCAB_KEY, None)
     config._name_or_path = path  # where its tokenizer, if saved, is found (hf_specdec.identity)

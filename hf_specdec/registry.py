@@ -347,8 +347,9 @@ def drafter_source(source) -> str:
     from .conversions.common import WEIGHT_PATTERNS, check_weight_files, resolve_source
 
     text = os.fspath(source)
-    if not Path(text).expanduser().exists() and text.replace("\\", "/").startswith(SHIPPED_PREFIX):
-        name = text.replace("\\", "/")[len(SHIPPED_PREFIX):].strip("/")
+    posix = text.replace("\\", "/")
+    if not Path(text).expanduser().exists() and posix.startswith(SHIPPED_PREFIX):
+        name = posix[len(SHIPPED_PREFIX):].strip("/")
         folder = shipped_folder(name)
         if folder is None:
             shipped = sorted(p.name for p in DRAFTERS_DIR.iterdir() if (p / "config.json").is_file()) \
