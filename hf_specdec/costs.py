@@ -52,11 +52,10 @@ class RecentMinimum:
         self.samples.append((tick, seconds))
 
     def value(self, now: int = 0) -> float | None:
-        """The minimum over the samples of the last ``horizon`` ticks (the newest sample when all are older)."""
-        if not self.samples:
-            return None
+        """The minimum over the samples of the last ``horizon`` ticks; ``None`` when there are none (every sample
+        is older: it was measured under other conditions and says nothing reliable about now)."""
         recent = [s for t, s in self.samples if self.horizon is None or t >= now - self.horizon]
-        return min(recent) if recent else self.samples[-1][1]
+        return min(recent) if recent else None
 
     @property
     def last_tick(self) -> int | None:
@@ -77,6 +76,7 @@ class ForwardCostModel:
 
     HORIZON = 96  # forwards (of any size) a sample counts for
     PROBE_EVERY = 48  # forwards of other sizes after which the one-token cost is measured again
+    EXPLORE_EVERY = 16  # forwards between exploratory one-draft proposals while drafting looks unprofitable
 
     def __init__(self, device_type: str = "cpu", window: int = 12, prior: dict[int, float] | None = None):
         self.prior = prior if prior is not None else (_CPU_PRIOR if device_type == "cpu" else _GPU_PRIOR)
@@ -84,6 +84,7 @@ class ForwardCostModel:
         self.times: dict[int, RecentMinimum] = {}
         self.clock = 0  # forwards recorded
         self._estimates: tuple[int, dict[int, float]] = (-1, {})  # (clock, seconds): read many times per step
+        self._explored = 0  # clock of the last exploratory proposal
 
     def record(self, q: int, seconds: float) -> None:
         self.clock += 1
@@ -93,7 +94,8 @@ class ForwardCostModel:
     def seconds(self) -> dict[int, float]:
         """``{q: estimated seconds}`` of every measured size (computed once per recorded forward)."""
         if self._estimates[0] != self.clock:
-            self._estimates = (self.clock, {q: t.value(self.clock) for q, t in self.times.items()})
+            values = {q: t.value(self.clock) for q, t in self.times.items()}
+            self._estimates = (self.clock, {q: v for q, v in values.items() if v is not None})
         return self._estimates[1]
 
     def relative(self, q: int) -> float:
@@ -124,6 +126,17 @@ class ForwardCostModel:
         """Whether the next step should be a plain one, to measure the one-token cost again (see the class doc)."""
         step = self.times.get(1)
         return step is not None and self.clock - step.last_tick >= self.PROBE_EVERY
+
+    def explore_due(self) -> bool:
+        """Whether a proposer that found drafting unprofitable should draft one token anyway (and the clock of that
+        decision is taken): at most once per :attr:`EXPLORE_EVERY` forwards. A cost measured while the machine was
+        busy, or an acceptance estimate from another passage, is otherwise never measured again once it says "do
+        not draft", and a method stays off for good; one two-token forward now and then costs a few percent of a
+        step and re-measures both."""
+        if self.clock - self._explored < self.EXPLORE_EVERY:
+            return False
+        self._explored = self.clock
+        return True
 
     def calibration_sizes(self, max_nodes: int) -> list[int]:
         """Sizes worth timing once before decoding (none once the curve has been measured up to ``max_nodes``)."""
@@ -158,20 +171,32 @@ class AcceptanceEstimator:
         entry[1] = entry[1] * self.decay + min(accepted + 1, proposed)
 
 
+def best_count(expected, cost: ForwardCostModel, draft_cost: float = 0.0, min_gain: float = 1.0) -> int:
+    """The number ``n`` of drafts to verify: ``expected[n - 1]`` is the expected number of tokens committed when
+    the best ``n`` are verified (the target's own token included). Maximises expected tokens per unit of time (a
+    verification of ``n + 1`` nodes plus ``n`` drafts at ``draft_cost`` one-token steps each); 0 (a plain step)
+    unless some ``n`` beats a plain step by the factor ``min_gain`` -- except for an exploratory ``n = 1`` now and
+    then (:meth:`ForwardCostModel.explore_due`), so that a method never turns itself off for good on stale figures.
+    """
+    best_n, best_rate = 0, 1.0 * min_gain
+    for n, tokens in enumerate((float(e) for e in expected), start=1):
+        rate = tokens / (cost.relative(n + 1) + n * draft_cost)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    if best_n == 0 and len(expected) and cost.explore_due():
+        return 1
+    return best_n
+
+
 def best_draft_length(alpha: float, max_len: int, cost: ForwardCostModel, draft_cost: float = 0.0,
                       min_gain: float = 1.0) -> int:
-    """The draft length ``k`` in ``0..max_len`` that maximises expected committed tokens per unit of time.
-
-    ``draft_cost`` is the cost of drafting one token in units of a one-token target forward. Returns 0 (a plain
-    step) unless some ``k`` is expected to beat a plain step by the factor ``min_gain``.
-    """
+    """The draft length ``k`` in ``0..max_len`` for drafts each accepted with probability ``alpha`` given the
+    previous one was (:func:`best_count`). ``draft_cost`` is the cost of drafting one token in units of a one-token
+    target forward."""
     alpha = min(max(alpha, 0.0), 0.999)
-    best_k, best_rate = 0, 1.0 * min_gain
-    expected, term = 1.0, 1.0
-    for k in range(1, max_len + 1):
+    expected, total, term = [], 1.0, 1.0
+    for _ in range(max_len):
         term *= alpha
-        expected += term
-        rate = expected / (cost.relative(k + 1) + k * draft_cost)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k
+        total += term
+        expected.append(total)
+    return best_count(expected, cost, draft_cost, min_gain)

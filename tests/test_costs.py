@@ -57,13 +57,38 @@ def test_the_unit_is_measured_again_under_the_same_conditions():
     assert cost.relative(4) == pytest.approx(TRUE[4] / TRUE[1], rel=0.05)
 
 
+def test_a_stale_cost_does_not_keep_speculation_off():
+    """A loaded round leaves slow verification times behind; the machine turns quiet and the one-token unit is
+    measured again, fast. Drafting now looks unprofitable and, drafting nothing, would never be measured again: an
+    exploratory one-draft proposal now and then measures it, and drafting resumes."""
+    cost = ForwardCostModel("cpu")
+    for q, s in TRUE.items():
+        cost.record(q, s * 2.2)  # loaded
+    cost.record(1, TRUE[1])  # quiet again
+    decisions = []
+    for _ in range(2 * ForwardCostModel.EXPLORE_EVERY):
+        k = best_draft_length(0.5, 3, cost)
+        decisions.append(k)
+        cost.record(k + 1, TRUE.get(k + 1, TRUE[4]))
+    assert decisions[0] == 0
+    first = decisions.index(1)
+    assert first <= ForwardCostModel.EXPLORE_EVERY
+    assert all(k > 0 for k in decisions[first:])
+    # and exploration is rare while drafting really does not pay
+    cost = ForwardCostModel("cpu")
+    for q, s in TRUE.items():
+        cost.record(q, s * (3.0 if q > 1 else 1.0))
+    tried = sum(best_draft_length(0.3, 3, cost) > 0 for _ in range(64) if cost.record(1, TRUE[1]) is None)
+    assert 1 <= tried <= 64 // ForwardCostModel.EXPLORE_EVERY + 1
+
+
 def test_recent_minimum_forgets_old_samples():
     m = RecentMinimum(window=4, horizon=10)
     m.add(1.0, tick=0)
     m.add(2.0, tick=5)
     assert m.value(now=5) == 1.0
     assert m.value(now=12) == 2.0  # the first sample is past the horizon
-    assert m.value(now=100) == 2.0  # all past it: the newest one
+    assert m.value(now=100) is None  # all past it: measured under other conditions, not an estimate of now
 
 
 class _State:

@@ -216,7 +216,7 @@ def test_adaptive_backs_off_from_a_drafter_that_does_not_pay(bsz, monkeypatch):
     out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
                           custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
     assert torch.equal(out.sequences, ref)
-    assert out.speculative_stats["proposed_drafts"] == 0
+    assert out.speculative_stats["proposed_drafts"] <= 40 // ForwardCostModel.EXPLORE_EVERY + 1  # exploration only
     assert 0 < len(calls) <= 7  # 40 steps: two misses (hysteresis), then probes after 1, 2, 4, 8, 16 skipped steps
 
 

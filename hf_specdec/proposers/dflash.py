@@ -21,6 +21,7 @@ import torch
 from .. import cache as cache_ops
 from ..default_model import MODEL_ID as SMOLLM2
 from ..conversions.common import load_converted_or_published
+from ..costs import best_count
 from ..conversions.dflash import LAYOUTS, convert_dflash
 from ..modeling.dflash import DFlashDrafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -73,13 +74,10 @@ class DFlashProposer(FeatureDrafterProposer):
             return budget, None
         reach = torch.cumprod(probs[:budget].clamp(max=1.0) * min(self.calibration, 1.5), 0).clamp(max=1.0)
         expected = 1.0 + torch.cumsum(reach, 0)
-        best_k, best_rate, worth = 0, 1.0, None
-        for k in range(1, budget + 1):
-            verify = state.cost_model.relative(k + 1)
-            rate = float(expected[k - 1]) / verify
-            if rate > best_rate:
-                best_k, best_rate, worth = k, rate, (float(expected[k - 1]), verify)
-        return best_k, worth
+        k = best_count(expected, state.cost_model)
+        verify = state.cost_model.relative(k + 1)
+        worth = (float(expected[k - 1]), verify) if k and float(expected[k - 1]) > verify else None
+        return k, worth
 
     def _block_logits(self, state, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the block positions a draft may use. The target's LM head over all 15 positions costs about a

@@ -25,6 +25,7 @@ from .. import cache as cache_ops
 from ..default_model import MODEL_ID as SMOLLM2
 from ..conversions.common import load_converted_or_published
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3
+from ..costs import best_count
 from ..modeling.eagle3 import Eagle3Drafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree, build_attention_mask
@@ -240,13 +241,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         (scaled by a running calibration of predicted vs accepted drafts)."""
         if not self.adaptive:
             return probs.shape[0]
-        expected = 1.0 + torch.cumsum(probs * self.calibration, 0)
-        best_n, best_rate = 0, 1.0
-        for n in range(1, probs.shape[0] + 1):
-            rate = float(expected[n - 1]) / state.cost_model.relative(n + 1)
-            if rate > best_rate:
-                best_n, best_rate = n, rate
-        return best_n
+        return best_count(1.0 + torch.cumsum(probs * self.calibration, 0), state.cost_model)
 
     def _select(self, state, score, tok, parent, depth):
         """Keep the best candidates of each row (at most ``total_tokens - 1``, fewer when more would not pay for
