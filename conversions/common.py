@@ -156,16 +156,25 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
             tensors.update(load_file(str(f)))
     else:
         for f in bin_files:
-            try:
-                state = torch.load(str(f), map_location="cpu", weights_only=True)
-            except Exception as err:  # pickle/zip errors of a truncated or foreign file
-                raise ConversionError(f"{f} is incomplete, corrupt or not a plain state dict (loaded with "
-                                      f"weights_only=True): {err}. If it was cut off while downloading or copying, "
-                                      "download it again.") from err
-            if not isinstance(state, dict):
-                raise ConversionError(f"{f.name} does not hold a state dict.")
-            tensors.update(state)
+            tensors.update(load_pickled_state_dict(f))
     return tensors
+
+
+def load_pickled_state_dict(f: Path) -> dict[str, torch.Tensor]:
+    """A ``torch.save``-d state dict read with ``torch.load(weights_only=True)`` (a pickle that would run code or
+    build other objects is refused, nothing in it is executed); every value must be a tensor."""
+    try:
+        state = torch.load(str(f), map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle/zip errors of a truncated or foreign file
+        raise ConversionError(f"{f} is incomplete, corrupt or not a plain state dict (loaded with "
+                              f"weights_only=True): {err}. If it was cut off while downloading or copying, "
+                              "download it again.") from err
+    if not isinstance(state, dict):
+        raise ConversionError(f"{f.name} does not hold a state dict.")
+    odd = sorted(f"{k} ({type(v).__name__})" for k, v in state.items() if not isinstance(v, torch.Tensor))
+    if odd:
+        raise ConversionError(f"{f.name} is not a plain state dict of tensors: {', '.join(odd[:4])}.")
+    return state
 
 
 def check_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], what: str) -> None:
@@ -192,12 +201,14 @@ def load_target_config(target: str | os.PathLike | None, revision: str | None = 
 def load_converted_or_published(source: str | os.PathLike, target, model_cls, convert):
     """A drafter of ``model_cls`` for ``target`` from a folder or Hub repo id: a folder converted by hf_specdec
     (its ``config.json`` names ``model_cls``'s model type) loads with ``from_pretrained``; a published layout is
-    converted in memory with ``convert``. On the target's device and dtype, in eval mode."""
-    folder = resolve_source(source)
-    check_weight_files(folder)
+    converted in memory with ``convert``, which fetches only the files its layout needs. On the target's device and
+    dtype, in eval mode."""
+    folder = resolve_source(source, allow_patterns=["config.json"])
     if read_config(folder).get("model_type") == model_cls.config_class.model_type:
+        folder = resolve_source(source)
+        check_weight_files(folder)
         check_config_matches_weights(folder, model_cls.config_class.from_pretrained(str(folder)), model_cls)
         model = model_cls.from_pretrained(str(folder), dtype=target.dtype)
     else:
-        model = convert(folder, dtype=target.dtype)
+        model = convert(source, dtype=target.dtype)
     return model.to(target.device).eval()

@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import sys
@@ -337,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                          for _, m in drafter_methods if m.drafter.layouts)
                         + "; auto: detected from the checkpoint)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="store weights in this dtype (default: as published)")
+    p.add_argument("--base-out", default=None, metavar="FOLDER",
+                   help="medusa, Medusa-2 full checkpoints: also write the base model (without the heads) here as "
+                        "a plain transformers folder (default: only the heads are converted)")
     p.set_defaults(func=lambda a: _convert(a))
 
     p = add("train", "train a drafter for a target on ShareGPT (Accelerate; resumable)")
@@ -361,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(draft: the tokens the student may draft; 0: all)")
     p.add_argument("--regenerate", type=int, default=0, metavar="N",
                    help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: draft 4, dflash 3)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: draft 4, dflash 3); medusa: residual blocks per head (default 1)")
+    p.add_argument("--heads", type=int, default=4, help="medusa: heads (drafts along one path)")
     p.add_argument("--block-size", type=int, default=16, help="dflash: block size")
     p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
@@ -499,8 +505,14 @@ def _convert(args) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     convert = registry.get(args.method).drafter.convert
+    extra = {}
+    if args.base_out:
+        if "base_out" not in inspect.signature(convert).parameters:
+            raise CommandError(f"--base-out is for checkpoints that carry a base model (medusa); {args.method} "
+                               "drafters have none.")
+        extra["base_out"] = args.base_out
     drafter = convert(args.source, args.out, revision=args.revision, target=args.target, layout=args.layout,
-                      dtype=dtype)
+                      dtype=dtype, **extra)
     print(f"converted {args.source} -> {args.out} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M "
           "parameters; the target's embeddings are never saved)")
     return 0

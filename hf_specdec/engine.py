@@ -58,6 +58,7 @@ class SpeculativeStats:
     """
 
     method: str = ""
+    acceptance: str = "exact"  # "typical (lossy)": outputs are not distributed as the target's
     target_forward_passes: int = 0
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -85,6 +86,7 @@ class SpeculativeStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
+            "acceptance": self.acceptance,
             "target_forward_passes": self.target_forward_passes,
             "proposed_drafts": self.proposed_drafts,
             "accepted_drafts": self.accepted_drafts,
@@ -180,7 +182,8 @@ def speculative_decode(
     rows = RowBook(state, stopper, streamer, want_scores=return_dict and bool(generation_config.output_scores),
                    want_logits=return_dict and bool(generation_config.output_logits),
                    pad_id=int(pad_id) if pad_id is not None else 0)
-    stats = SpeculativeStats(method=proposer.name)
+    lossy = getattr(proposer, "typical_acceptance", None) is not None  # Medusa's typical acceptance, when asked for
+    stats = SpeculativeStats(method=proposer.name, acceptance="typical (lossy)" if lossy else "exact")
     state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),
                                            capacity=stopper.max_length + proposer.max_nodes + 64)
     with runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules()) as target:
@@ -203,6 +206,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             input_ids: torch.LongTensor, attention_mask: torch.LongTensor) -> None:
     """Prefill, then propose -> verify -> accept -> commit until every row has stopped."""
     want_scores, want_logits = rows.want_scores, rows.want_logits
+    typical = getattr(proposer, "typical_acceptance", None)
     # ---- prefill (the same inputs plain generate() feeds) and the first token
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # [B, P]
     t0 = time.perf_counter()
@@ -248,7 +252,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         past = state.layout.length
         logits, state.hidden_states = target.verify(state, tree)  # [B, N, V]
         prefixes = [state.prefix(b) for b in range(state.batch_size)]
-        result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits)
+        result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
+                        typical=typical)
         elapsed = time.perf_counter() - t0
         stats.verify_seconds += elapsed
         stats.target_forward_passes += 1

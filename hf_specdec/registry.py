@@ -25,6 +25,7 @@ method of your own is one :func:`register` call::
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import os
 import weakref
@@ -34,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash")  # hf_specdec.proposers modules with a METHOD
+BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash", "medusa")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
 
@@ -131,6 +132,18 @@ class DrafterSpec:
     example: str = 'drafter="path/or/hub-id")'
     train: Callable | None = None
     train_name: str | None = None
+
+    @classmethod
+    def published(cls, model_cls, convert: Callable, layouts: tuple[str, ...], **fields) -> "DrafterSpec":
+        """The drafter of a method with a network of its own (``model_cls``): given as a model, a folder hf_specdec
+        converted, or a published checkpoint (repo id or folder) in one of ``layouts``, converted in memory with
+        ``convert`` (:func:`hf_specdec.conversions.common.load_converted_or_published`)."""
+        from .conversions.common import load_converted_or_published
+
+        fields.setdefault("hint", f"pass drafter=<{model_cls.__name__}, converted folder, or a published repo id / "
+                                  "folder>")
+        return cls(load=functools.partial(load_converted_or_published, model_cls=model_cls, convert=convert),
+                   accepts=model_cls, convert=convert, layouts=layouts, **fields)
 
 
 @dataclass(frozen=True, repr=False)

@@ -13,6 +13,10 @@ One module for every method:
 * **sampling, deterministic drafts** (``draft_probs`` is ``None``: prompt lookup, top-k tree children) — accept
   child ``x`` with probability ``q(x)``; on rejection remove ``x`` from ``q`` and renormalise. This is sampling
   from ``q`` by elimination, so it is exact for any fixed candidate list.
+* **typical acceptance** (Medusa, opt-in and *lossy*, sampling only) — a child ``x`` is acceptable when
+  ``q(x) > min(threshold, alpha * exp(-H(q)))``; the deepest acceptable path is kept (ties: the highest summed
+  ``log q``), then the next token is sampled from ``q`` at its last node. Outputs are then *not* distributed as
+  the target's.
 
 ``q`` is the softmax of the target's logits after the processors and warpers of the call (temperature, top-k,
 top-p, repetition penalty, ...), each applied with the node's own prefix.
@@ -64,6 +68,7 @@ def accept(
     do_sample: bool,
     want_scores: bool = False,
     want_logits: bool = False,
+    typical: tuple[float, float] | None = None,
 ) -> AcceptResult:
     """Apply the acceptance rule to a verified tree.
 
@@ -75,7 +80,10 @@ def accept(
         process: ``process(row, input_ids[1, L], logits[1, V]) -> scores[1, V]`` applies the call's logits
             processors; ``None`` when there are none.
         do_sample: sampling or greedy.
+        typical: ``(threshold, alpha)`` for Medusa's typical acceptance (lossy; sampling only), or ``None``.
     """
+    if typical is not None and not do_sample:
+        raise ValueError("typical acceptance is a sampling rule; greedy decoding is always exact.")
     if not do_sample and process is None and tree.is_chain and not want_scores and not want_logits:
         return _greedy_chain(tree, logits, active)
     bsz = tree.batch_size
@@ -92,7 +100,10 @@ def accept(
             if raw is not None:
                 raw.append([])
             continue
-        path, toks, row_scores, row_raw = _walk(tree, b, tokens[b], logits[b], prefixes[b], process, do_sample)
+        if typical is not None:
+            path, toks, row_scores, row_raw = _typical(tree, b, tokens[b], logits[b], prefixes[b], process, *typical)
+        else:
+            path, toks, row_scores, row_raw = _walk(tree, b, tokens[b], logits[b], prefixes[b], process, do_sample)
         paths.append(path)
         new_tokens.append(toks)
         if scores is not None:
@@ -164,3 +175,31 @@ def _walk(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, pref
         path.append(nxt_node)
         node = nxt_node
         ids = torch.cat([ids, ids.new_tensor([tokens[node]])])
+
+
+def _typical(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, prefix: torch.LongTensor,
+             process: ScoreFn | None, threshold: float, alpha: float):
+    """Medusa's typical acceptance over row ``b``'s tree (see the module docstring). Every node whose ancestors
+    are all acceptable is scored once with its own prefix."""
+    children = tree.children(b)
+    seen = {}  # node -> (scores, raw, q)
+    best = ([0], 0.0)
+    stack = [(0, [0], 0.0, prefix)]
+    while stack:
+        node, path, logq, ids = stack.pop()
+        raw = logits[node]
+        scores = raw if process is None else process(b, ids[None], raw[None])[0]
+        q = torch.softmax(scores, dim=-1)
+        seen[node] = (scores, raw, q)
+        if len(path) > len(best[0]) or (len(path) == len(best[0]) and logq > best[1]):
+            best = (path, logq)
+        entropy = float(-(q * torch.log(q + 1e-5)).sum())  # the reference's entropy (log of p + 1e-5)
+        bar = min(threshold, alpha * float(torch.exp(torch.tensor(-entropy))))
+        for c in children[node]:
+            x = tokens[c]
+            if float(q[x]) > bar:
+                stack.append((c, path + [c], logq + float(torch.log(q[x])), torch.cat([ids, ids.new_tensor([x])])))
+    path = best[0]
+    q = seen[path[-1]][2]
+    target = int(torch.multinomial(q / q.sum(), 1))
+    return (path, [tokens[i] for i in path[1:]] + [target], [seen[n][0] for n in path], [seen[n][1] for n in path])

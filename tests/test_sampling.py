@@ -148,8 +148,19 @@ def _dflash_drafter():
     return DFlashDrafter(config).eval()
 
 
+def _medusa_heads():
+    from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
+
+    torch.manual_seed(6)
+    heads = MedusaHeads(MedusaConfig(hidden_size=16, vocab_size=V, medusa_num_heads=2)).eval()
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    return heads
+
+
 @pytest.mark.parametrize("method", ["assisted", "assisted_draft_vocab", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
-                                    "eagle3_chain", "dflash"])
+                                    "eagle3_chain", "dflash", "medusa"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
@@ -169,6 +180,10 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
                                             tree_total_tokens=6, draft_length_schedule="constant")
     elif method == "dflash":
         custom = hf_specdec.decoding_method("dflash", drafter=_dflash_drafter(), draft_length_schedule="constant")
+    elif method == "medusa":  # a static top-k tree: deterministic drafts, several siblings per node
+        custom = hf_specdec.decoding_method("medusa", drafter=_medusa_heads(),
+                                            medusa_choices=[[0], [1], [0, 0], [0, 1], [1, 0]],
+                                            draft_length_schedule="constant")
     elif method == "eagle3_chain":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
     else:

@@ -91,9 +91,12 @@ class Proposer:
             ``begin``/``commit`` through ``state.hidden_states``.
         max_nodes: upper bound of the tree size ``N`` it proposes (root included); sizes static caches.
         name: the method name used in statistics and error messages.
+        typical_acceptance: ``(threshold, alpha)`` to verify with Medusa's typical acceptance (lossy, sampling
+            only; :func:`hf_specdec.verify.accept`), or ``None`` for the exact rules.
     """
 
     target_hidden_states: list[int] | None = None
+    typical_acceptance: tuple[float, float] | None = None
     max_nodes: int = 1
     name: str = "proposer"
 

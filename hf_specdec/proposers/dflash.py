@@ -13,14 +13,12 @@ skipped context is fed at the next probe.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
 
 from .. import cache as cache_ops
 from ..default_model import MODEL_ID as SMOLLM2
-from ..conversions.common import load_converted_or_published
 from ..costs import best_count
 from ..conversions.dflash import LAYOUTS, convert_dflash
 from ..modeling.dflash import DFlashDrafter
@@ -178,13 +176,9 @@ METHOD = Method(
         Option("block_size", int, None, "block positions drafted (default: the drafter's block size)"),
         SCHEDULE,
     ),
-    drafter=DrafterSpec(
+    drafter=DrafterSpec.published(
+        DFlashDrafter, convert_dflash, LAYOUTS,
         doc="a DFlash drafter",
-        hint="pass drafter=<DFlashDrafter, converted folder, or a published repo id / folder>",
-        load=functools.partial(load_converted_or_published, model_cls=DFlashDrafter, convert=convert_dflash),
-        accepts=DFlashDrafter,
-        convert=convert_dflash,
-        layouts=LAYOUTS,
         shipped={SMOLLM2: "smollm2-135m-instruct-dflash"},
         train=_train,
         example="drafter=\"z-lab/Qwen3-4B-DFlash-b16\")     # published repo, converted folder, or model",

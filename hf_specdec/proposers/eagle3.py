@@ -15,7 +15,6 @@ argmax, or samples from the drafter's distribution when the call samples (exact 
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
@@ -23,7 +22,6 @@ from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from ..default_model import MODEL_ID as SMOLLM2
-from ..conversions.common import load_converted_or_published
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3
 from ..costs import best_count
 from ..modeling.eagle3 import Eagle3Drafter
@@ -337,13 +335,9 @@ METHOD = Method(
         Option("num_speculative_tokens", int, None, "draft a chain of this length instead of a tree"),
         SCHEDULE,
     ),
-    drafter=DrafterSpec(
+    drafter=DrafterSpec.published(
+        Eagle3Drafter, convert_eagle3, LAYOUTS,
         doc="an EAGLE-3 drafter",
-        hint="pass drafter=<Eagle3Drafter, converted folder, or a published repo id / folder>",
-        load=functools.partial(load_converted_or_published, model_cls=Eagle3Drafter, convert=convert_eagle3),
-        accepts=Eagle3Drafter,
-        convert=convert_eagle3,
-        layouts=LAYOUTS,
         shipped={SMOLLM2: "smollm2-135m-instruct-eagle3"},
         train=_train,
         example="drafter=\"yuhuili/EAGLE3-LLaMA3.1-Instruct-8B\")   # published repo, converted folder, or model",

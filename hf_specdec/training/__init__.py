@@ -1,7 +1,7 @@
 """Drafter training: cache the frozen target's features once, then train on the cached shards (Accelerate).
 
-``hf-specdec train eagle3 ...`` and ``hf-specdec train draft ...`` (a distilled student for the ``assisted``
-method) share the data pipeline (:mod:`.data`, :mod:`.features`) and the loop (:mod:`.trainer`).
+``hf-specdec train eagle3|dflash|medusa ...`` and ``hf-specdec train draft ...`` (a distilled student for the
+``assisted`` method) share the data pipeline (:mod:`.data`, :mod:`.features`) and the loop (:mod:`.trainer`).
 """
 
 from __future__ import annotations
@@ -171,6 +171,45 @@ def train_dflash(target, tokenizer, out_dir, layers: int = 3, block_size: int = 
     metrics = train(drafter, lambda m, b: block_loss(m, embed, head, b, num_anchors, gamma, generator), shards, out,
                     config or TrainConfig(), save_model=save, progress=progress)
     return DFlashDrafter.from_pretrained(out / "final"), metrics
+
+
+def train_medusa(target, tokenizer, out_dir, heads: int = 3, layers: int = 1, draft_vocab: int = 8192,
+                 samples: int = 1500, max_length: int = 384, config: TrainConfig | None = None, features_dir=None,
+                 seed: int = 0, save_dtype=torch.float16, progress: bool = True,
+                 regenerate_max_new_tokens: int | None = None, data_path=None, init_from=None, decay: float = 1.0):
+    """Train Medusa-1 heads for the frozen ``target`` on its cached final hidden states (the shared feature cache):
+    ``heads`` heads of ``layers`` residual blocks, reading out the ``draft_vocab`` most frequent training tokens
+    (their rows of the target's LM head to start with, the blocks at zero, as the reference starts). ``init_from``:
+    a trained heads folder to continue from (its heads, blocks and draft vocabulary). ``decay``: head ``i``'s loss
+    weight is ``decay ** i`` (1: the reference's plain sum)."""
+    from ..modeling.medusa import MedusaConfig, MedusaHeads
+    from .eagle3 import draft_vocabulary
+    from .medusa import draft_index, medusa_loss
+
+    text = target.config.get_text_config()
+    out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
+                                     regenerate_max_new_tokens, data_path)
+    torch.manual_seed(seed)
+    if init_from is not None:
+        model = MedusaHeads.from_pretrained(init_from, dtype=torch.float32).bind_target(target)
+    else:
+        size = min(draft_vocab, text.vocab_size)
+        d2t, _ = draft_vocabulary(shards.token_counts(text.vocab_size), size)
+        model = MedusaHeads(MedusaConfig(
+            hidden_size=text.hidden_size, vocab_size=text.vocab_size, medusa_num_heads=heads,
+            medusa_num_layers=layers, draft_vocab_size=size,
+            base_model_name_or_path=getattr(target.config, "_name_or_path", None) or None,
+        )).init_from_target(target, torch.arange(size) + d2t)
+    index = draft_index(model.token_map, text.vocab_size)
+    model.train()
+
+    def save(m, folder):  # a half-precision copy (token_map stays integer); the weights being trained stay fp32
+        m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
+                                              for k, v in m.state_dict().items()})
+
+    metrics = train(model, lambda m, b: medusa_loss(m, index, b, decay), shards, out, config or TrainConfig(),
+                    save_model=save, progress=progress)
+    return MedusaHeads.from_pretrained(out / "final"), metrics
 
 
 def distillation_loss(student, target_head: torch.Tensor, batch: dict, temperature: float = 1.0):

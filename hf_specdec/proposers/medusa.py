@@ -1,0 +1,279 @@
+"""Medusa proposer: ``K`` heads on the target's final hidden state draft a static tree verified in one forward.
+
+The heads (:class:`~hf_specdec.modeling.medusa.MedusaHeads`) read the post-norm hidden state of the last committed
+position, which the previous verification forward already produced (the loop returns it with the logits), so
+drafting costs ``K`` small matrix products and no target forward. Head ``d`` scores the token ``d + 1`` places after
+the root; its top ``k`` candidates are the children at depth ``d + 1``.
+
+The tree is a *choices* list as the reference writes it (``medusa_choices.py``): each entry is a path of top-k
+indices, ``[0, 1]`` = head 0's best token followed by head 1's second best. ``mc_sim_7b_63`` (63 nodes) is the
+default on an accelerator; on a CPU, where a forward over more than a few tokens costs much more than over one, the
+pool is its first :data:`CPU_CHOICES` entries. With the adaptive schedule (the default) each step keeps the pool
+nodes whose predicted acceptance (the product of the heads' probabilities along the path, calibrated by how many
+drafts were actually accepted) pays for the measured cost of verifying them; ``draft_length_schedule="constant"``
+verifies the whole pool. A chain (``num_speculative_tokens=k``: the top-1 token of heads ``0..k-1``) is the
+vLLM-style form.
+
+Acceptance is exact by default (greedy: the output equals ``generate(do_sample=False)``; sampling: the engine's
+rule for deterministic drafts). ``acceptance="typical"`` is Medusa's **lossy** typical acceptance (sampling only):
+a draft ``x`` is kept when the target's probability ``q(x) > min(posterior_threshold, posterior_alpha *
+exp(-H(q)))``; the outputs are then *not* distributed as the target's, and ``speculative_stats["acceptance"]``
+says ``"typical (lossy)"``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..conversions.medusa import LAYOUTS, convert_medusa
+from ..costs import best_count
+from ..default_model import MODEL_ID as SMOLLM2
+from ..modeling.medusa import MedusaHeads
+from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
+from ..tree import DraftTree
+from .base import BackOff
+from .features import FeatureDrafterProposer
+
+# The reference's default tree for a 7B target (FasterDecoding/Medusa ``medusa/model/medusa_choices.py``), in its
+# published order (most valuable paths first, every path after its parent).
+MC_SIM_7B_63 = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5),
+    (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8), (0, 0, 2), (3, 0), (0, 9), (8,), (9,),
+    (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0), (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1),
+    (0, 0, 6), (0, 3, 0), (5, 0), (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0),
+    (0, 1, 2), (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
+    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+)
+CHOICES = {"mc_sim_7b_63": MC_SIM_7B_63}
+CPU_CHOICES = 8  # the CPU pool: the first entries of mc_sim_7b_63 (depth <= 3)
+TYPICAL = {"posterior_threshold": 0.09, "posterior_alpha": 0.3}  # the reference's medusa_generate defaults
+
+
+def default_choices(device) -> tuple[tuple[int, ...], ...]:
+    """The tree pool for a target on ``device``: ``mc_sim_7b_63`` on an accelerator, its first
+    :data:`CPU_CHOICES` paths on a CPU."""
+    return MC_SIM_7B_63[:CPU_CHOICES] if torch.device(device).type == "cpu" else MC_SIM_7B_63
+
+
+def check_choices(choices, num_heads: int) -> list[tuple[int, ...]]:
+    """``choices`` (a name in :data:`CHOICES` or a list of paths) as sorted tuples, parents first (by length, then
+    value, as the reference sorts them); paths longer than the heads can draft are dropped. Raises on a path whose
+    parent is missing, a negative index or a duplicate."""
+    if isinstance(choices, str) and choices.lstrip().startswith("["):  # a list written on the command line
+        try:
+            choices = json.loads(choices)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"medusa_choices {choices!r} is not a JSON list of paths: {err}.") from None
+    if isinstance(choices, str):
+        if choices not in CHOICES:
+            raise ValueError(f"Unknown medusa_choices {choices!r}; known: {', '.join(CHOICES)} (or pass a list of "
+                             "paths such as [[0], [0, 0], [1]]).")
+        choices = CHOICES[choices]
+    paths = [tuple(int(i) for i in c) for c in choices]
+    if not paths or any(len(p) == 0 for p in paths):
+        raise ValueError("medusa_choices must be a non-empty list of non-empty paths, e.g. [[0], [0, 0], [1]].")
+    if any(i < 0 for p in paths for i in p):
+        raise ValueError("medusa_choices indices are top-k ranks and must be >= 0.")
+    if len(set(paths)) != len(paths):
+        raise ValueError("medusa_choices lists a path twice.")
+    known = set(paths)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"medusa_choices has {list(p)} but not its parent {list(p[:-1])}.")
+    kept = sorted((p for p in paths if len(p) <= num_heads), key=lambda p: (len(p), p))
+    if not kept:
+        raise ValueError(f"No medusa_choices path fits {num_heads} heads.")
+    return kept
+
+
+class MedusaProposer(FeatureDrafterProposer):
+    """Args:
+        drafter: :class:`~hf_specdec.modeling.medusa.MedusaHeads` for the target.
+        choices: the tree (a list of top-k paths or a name in :data:`CHOICES`; see the module docstring).
+        adaptive: keep only the nodes that pay for their verification (and back off when none does).
+        acceptance: ``"exact"`` or ``"typical"`` (lossy, sampling only).
+        posterior_threshold, posterior_alpha: typical acceptance's ``epsilon`` and ``delta``.
+    """
+
+    name = "medusa"
+
+    def __init__(self, drafter: MedusaHeads, choices=MC_SIM_7B_63, adaptive: bool = True, acceptance: str = "exact",
+                 posterior_threshold: float = TYPICAL["posterior_threshold"],
+                 posterior_alpha: float = TYPICAL["posterior_alpha"]):
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance must be 'exact' or 'typical', got {acceptance!r}.")
+        if acceptance == "typical" and not (0 < posterior_threshold <= 1 and posterior_alpha > 0):
+            raise ValueError("typical acceptance needs 0 < posterior_threshold <= 1 and posterior_alpha > 0.")
+        super().__init__(drafter, adaptive)
+        self.choices = check_choices(choices, drafter.num_heads)
+        self.max_nodes = len(self.choices) + 1
+        self.top_k = 1 + max(max(p) for p in self.choices)
+        self.depth = max(len(p) for p in self.choices)
+        index = {p: i for i, p in enumerate(self.choices)}
+        self._depth = torch.tensor([len(p) for p in self.choices])  # [P]
+        self._rank = torch.tensor([p[-1] for p in self.choices])  # [P] top-k rank of the node's token at its head
+        self._parent = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in self.choices])  # [P]
+        self.typical_acceptance = (float(posterior_threshold), float(posterior_alpha)) if acceptance == "typical" \
+            else None
+
+    # ---- life cycle
+    def begin(self, state) -> None:
+        if self.typical_acceptance is not None and not state.do_sample:
+            raise ValueError("acceptance='typical' is a sampling rule (do_sample=True); greedy Medusa decoding is "
+                             "always exact. Drop acceptance= or pass do_sample=True.")
+        weight = self._drafter_weight()
+        self.device, self.dtype = weight.device, weight.dtype
+        self.backoff = BackOff()
+        self._worth = None
+        hidden = self._hidden(state)  # [B, T, H] over the prompt columns
+        layout = state.layout
+        last = torch.where(layout.valid, torch.arange(layout.length, device=layout.valid.device), -1).max(1).values
+        self.last = hidden.gather(1, last.clamp(min=0).to(hidden.device)[:, None, None]
+                                  .expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
+
+    def commit(self, state, tree, result) -> None:
+        self._update_calibration(result)
+        self.backoff.observe(tree, result)
+        hidden = self._hidden(state)  # [B, N, H] for every tree node
+        for b, path in enumerate(result.paths):
+            if path:  # the last kept node's state is the one whose LM head gave the row's next token
+                self.last[b] = hidden[b, path[-1]]
+
+    def on_compact(self, state, index) -> None:
+        pass  # the heads keep no per-column state
+
+    def _hidden(self, state) -> torch.Tensor:
+        if state.hidden_states is None:
+            raise RuntimeError("medusa needs the target's final hidden states; the loop did not return them.")
+        return state.hidden_states[self.target_hidden_states[0]].to(self.device, self.dtype)
+
+    # ---- drafting
+    def propose(self, state):
+        if self.adaptive and self.backoff.skipping():
+            return None
+        start = time.perf_counter()
+        depth = min(self.depth, max(state.max_drafts))
+        if depth <= 0:
+            return None
+        logits = self.drafter(self.last, heads=depth).float()  # [B, D, Vd]
+        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        top_tokens = self.drafter.draft_to_target(top_ids).to(state.device)  # [B, D, k]
+        tree = self._tree(state, top_logp.cpu(), top_tokens, depth)
+        if self.adaptive:
+            self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
+        return tree
+
+    def _tree(self, state, top_logp: torch.Tensor, top_tokens: torch.Tensor, depth: int):
+        bsz = state.batch_size
+        usable = self._rank < top_logp.shape[-1]
+        depth_index = (self._depth - 1).clamp(max=depth - 1)
+        node_logp = top_logp[:, depth_index, self._rank.clamp(max=top_logp.shape[-1] - 1)]  # [B, P]
+        cum = node_logp.clone()
+        for level in range(2, self.depth + 1):  # a node's path probability: its parent's times its own
+            at = (self._depth == level).nonzero()[:, 0]
+            cum[:, at] += cum[:, self._parent[at]]
+        reach = cum.exp()  # [B, P]
+        rows, self._predicted, self._worth = [], [], None
+        for b in range(bsz):
+            ok = (self._depth <= min(depth, state.max_drafts[b])) & usable
+            nodes = ok.nonzero()[:, 0]
+            if self.adaptive and len(nodes):
+                order = nodes[torch.argsort(reach[b, nodes], descending=True, stable=True)]
+                n = self._size(state, reach[b, order])
+                nodes = order[:n].sort().values  # pool order: parents first
+                if n and state.cost_model is not None:
+                    row = (1.0 + float(reach[b, nodes].sum()) * self.calibration, state.cost_model.relative(n + 1))
+                    if self._worth is None or row[0] / row[1] > self._worth[0] / self._worth[1]:
+                        self._worth = row
+            self._predicted.append(float(reach[b, nodes].sum()) if len(nodes) else 0.0)
+            rows.append(nodes.tolist())
+        width = 1 + max(len(r) for r in rows)
+        if width == 1:
+            self._predicted = None
+            return None
+        tokens = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
+        parents = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
+        valid = torch.zeros(bsz, width, dtype=torch.bool, device=state.device)
+        tokens[:, 0] = state.roots()
+        parents[:, 0] = -1
+        valid[:, 0] = True
+        for b, nodes in enumerate(rows):
+            slot = {p: i + 1 for i, p in enumerate(nodes)}
+            for i, p in enumerate(nodes):
+                tokens[b, i + 1] = top_tokens[b, int(self._depth[p]) - 1, int(self._rank[p])]
+                parents[b, i + 1] = slot.get(int(self._parent[p]), 0)
+                valid[b, i + 1] = True
+        return DraftTree(tokens=tokens, parents=parents, valid=valid)
+
+    def _size(self, state, reach: torch.Tensor) -> int:
+        """How many of the best nodes (by calibrated reach probability) to verify: the count maximising expected
+        committed tokens per unit of verification cost (0: none beats a plain step)."""
+        if state.cost_model is None:
+            return reach.shape[0]
+        return best_count(1.0 + torch.cumsum(reach * self.calibration, 0), state.cost_model)
+
+
+def _choices_arg(opts, device):
+    if opts["num_speculative_tokens"] is not None:
+        k = opts["num_speculative_tokens"]
+        if k < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {k}.")
+        if opts["medusa_choices"] is not None:
+            raise ValueError("Pass medusa_choices or num_speculative_tokens, not both.")
+        return [(0,) * d for d in range(1, k + 1)]
+    if opts["medusa_choices"] is not None:
+        return opts["medusa_choices"]
+    return default_choices(device)
+
+
+def _build(target, opts) -> MedusaProposer:
+    return MedusaProposer(opts["drafter"], choices=_choices_arg(opts, target.device),
+                          adaptive=opts["draft_length_schedule"] != "constant", acceptance=opts["acceptance"],
+                          posterior_threshold=opts["posterior_threshold"], posterior_alpha=opts["posterior_alpha"])
+
+
+def _train(target, tokenizer, out, args, common):
+    from .. import training
+
+    return training.train_medusa(target, tokenizer, out, heads=args.heads, layers=args.layers or 1,
+                                 draft_vocab=args.draft_vocab, **common)
+
+
+METHOD = Method(
+    name="medusa",
+    summary="K heads on the target's final hidden state; a static top-k tree (mc_sim_7b_63) or a chain",
+    description="Medusa speculative decoding (Cai et al., 2024): K residual heads read the target's final "
+                "hidden state, which the verification forward already computed, and head i scores the token i + 2 "
+                "places ahead; their top-k candidates form a static tree from a choices list (the reference's "
+                "mc_sim_7b_63 on an accelerator, its first 8 paths on a CPU, sized each step from the measured "
+                "forward costs) that the target verifies in one forward. Lossless (greedy, and exact sampling) "
+                "unless acceptance='typical' (Medusa's typical acceptance, lossy, sampling only). FasterDecoding "
+                "Medusa-1 heads (medusa_lm_head.pt/.safetensors), vLLM Medusa folders and Medusa-2 full "
+                "checkpoints are converted in memory; `hf-specdec convert medusa <repo> <out>` converts once.",
+    build=_build,
+    options=(
+        Option("medusa_choices", (str, list, tuple), None,
+               f"the tree: a list of top-k paths or 'mc_sim_7b_63' (default by device: mc_sim_7b_63; CPU its "
+               f"first {CPU_CHOICES} paths)"),
+        Option("num_speculative_tokens", int, None, "draft a chain of the heads' top-1 tokens of this length"),
+        Option("acceptance", str, "exact", "'exact' (lossless) or 'typical' (Medusa's typical acceptance: LOSSY, "
+               "sampling only)", choices=("exact", "typical")),
+        Option("posterior_threshold", float, TYPICAL["posterior_threshold"], "typical acceptance: epsilon"),
+        Option("posterior_alpha", float, TYPICAL["posterior_alpha"], "typical acceptance: delta (entropy factor)"),
+        SCHEDULE,
+    ),
+    drafter=DrafterSpec.published(
+        MedusaHeads, convert_medusa, LAYOUTS,
+        doc="Medusa heads",
+        shipped={},
+        train=_train,
+        example="drafter=\"FasterDecoding/medusa-vicuna-7b-v1.3\")   # published repo, converted folder, or model",
+    ),
+    shorthands={
+        "medusa": Shorthand("N", lambda arg: {"medusa_choices": list(MC_SIM_7B_63[:int(arg)])} if arg else {}),
+        "medusa_chain": Shorthand("K", lambda arg: {"num_speculative_tokens": int(arg or 3)}),
+    },
+)
