@@ -3,21 +3,23 @@
 Each example draws a tiny random target (Llama, Qwen3, Gemma-3 text with sliding-window layers, GPT-2), a batch of
 left-padded prompts of different lengths, ``max_new_tokens``, EOS ids (none, a token the target is about to produce,
 or a list) and one built-in method with random options and, where it needs one, a random drafter built for the drawn
-target (EAGLE-3 and DFlash drafters bind to the target's hidden size and layer count). The property: the method's
+target (EAGLE-3 and DFlash drafters bind to the target's hidden size and layer count, Medusa heads to its width
+and vocabulary). The property: the method's
 output equals ``model.generate(do_sample=False)`` on the same batch (fp32), row for row.
 
 Invalid draws that the library refuses on purpose are checked as such, not compared: a prompt plus
 ``max_new_tokens`` past the target's context window (``max_position_embeddings``) raises a ``ValueError`` naming the
 window (plain ``generate()`` would run RoPE models past their trained length and index past GPT-2's position table).
 
-One test case per method variant (every registered built-in method; EAGLE-3 as a tree and as a chain), each with
-``EXAMPLES_PER_VARIANT`` derandomized draws (the same on every run), so the test takes 15-30 s on two CPU cores; the
+One test case per method variant (every registered built-in method; EAGLE-3 and Medusa as a tree and as a chain),
+each with ``EXAMPLES_PER_VARIANT`` derandomized draws (the same on every run), so the test takes 20-40 s on two CPU cores; the
 built targets and drafters are cached per drawn configuration. For a longer search, raise ``EXAMPLES_PER_VARIANT``
 (and drop ``derandomize``) locally.
 
 What the draws do not reach: batch compaction (it needs more than 32 cache holes, i.e. long generations;
 tests/test_lossless.py covers it) and sampling (tests/test_sampling.py). Random DFlash drafters are accepted rarely
-(an EAGLE-3 drafter can be built to echo the last token, see :func:`build_eagle3`; a DFlash block cannot as simply).
+(an EAGLE-3 drafter can be built to echo the last token, see :func:`build_eagle3`, and Medusa heads to repeat the
+root, see :func:`build_medusa`; a DFlash block cannot as simply).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from transformers import (
 import hf_specdec
 from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
 from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
 from hf_specdec.proposers import Proposer
+from hf_specdec.proposers.medusa import MC_SIM_7B_63
 from hf_specdec.registry import builtin_methods
 from hf_specdec.tree import DraftTree
 
@@ -51,7 +55,7 @@ ARCHS = ("llama", "qwen3", "gemma3", "gpt2")
 WIDE_WINDOW = 512  # the context window of most drawn targets: never reached
 MAX_PROMPT = 10
 MAX_NEW = 12
-EXAMPLES_PER_VARIANT = 10  # 50 draws in all
+EXAMPLES_PER_VARIANT = 10  # 70 draws in all
 
 
 # ------------------------------------------------------------------------------------------------ tiny models
@@ -184,10 +188,35 @@ def build_dflash(target_spec: TargetSpec, layers: int, layer_ids: tuple[int, ...
     return _DRAFTERS[key]
 
 
+def build_medusa(target_spec: TargetSpec, heads: int, layers: int, shared: bool, draft_vocab: int, echo: bool,
+                 seed: int):
+    """Random Medusa heads for the target of ``target_spec``. ``echo`` starts them as the reference's training
+    does (zero blocks, the target's LM head rows as read-outs), perturbed: every head then mostly drafts the root
+    token again, which the tiny targets' runs of repeated tokens often accept."""
+    key = ("medusa", target_spec, heads, layers, shared, draft_vocab, echo, seed)
+    if key not in _DRAFTERS:
+        config = MedusaConfig(hidden_size=target_spec.hidden, vocab_size=target_spec.vocab, medusa_num_heads=heads,
+                              medusa_num_layers=layers, shared_layers=shared, draft_vocab_size=draft_vocab)
+        torch.manual_seed(seed)
+        model = _randomize(MedusaHeads(config), seed, scale=0.5)
+        g = torch.Generator().manual_seed(seed)
+        used = torch.arange(target_spec.vocab) if draft_vocab == target_spec.vocab else \
+            torch.randperm(target_spec.vocab, generator=g)[:draft_vocab].sort().values
+        model.token_map.copy_(used)
+        if echo:
+            target = build_target(target_spec)
+            model.init_from_target(target, used)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.02 * torch.randn(p.shape, generator=g))
+        _DRAFTERS[key] = model.eval()
+    return _DRAFTERS[key]
+
+
 # ------------------------------------------------------------------------------------------------ strategies
 # what each test case runs: every built-in method, EAGLE-3 with its two draft shapes
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
-            "eagle3_chain": "eagle3", "dflash": "dflash"}
+            "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa"}
 
 
 @st.composite
@@ -273,6 +302,23 @@ def method_options(draw, variant: str, spec: TargetSpec):
         opts["drafter"] = build_dflash(spec, layers, layer_ids, block, mask_token_id, sliding=draw(st.booleans()),
                                        seed=draw(st.integers(0, 2)))
         opts["block_size"] = draw(st.sampled_from([None] + list(range(2, block + 1))))
+    elif variant in ("medusa_tree", "medusa_chain"):
+        heads = draw(st.integers(1, 4))
+        opts["drafter"] = build_medusa(spec, heads, draw(st.integers(1, 3)), draw(st.booleans()),
+                                       draw(st.sampled_from([spec.vocab, spec.vocab // 2])), draw(st.booleans()),
+                                       seed=draw(st.integers(0, 2)))
+        if variant == "medusa_chain":
+            opts["num_speculative_tokens"] = draw(st.integers(1, 5))
+        else:  # the default pool, a prefix of mc_sim_7b_63, or a small random ancestor-closed tree
+            pick = draw(st.sampled_from(["default", "prefix", "random"]))
+            if pick == "prefix":
+                opts["medusa_choices"] = [list(c) for c in MC_SIM_7B_63[:draw(st.integers(1, 63))]]
+            elif pick == "random":
+                paths = {(draw(st.integers(0, 3)),)}
+                for _ in range(draw(st.integers(0, 8))):
+                    parent = draw(st.sampled_from(sorted(paths)))
+                    paths.add(parent + (draw(st.integers(0, 3)),))
+                opts["medusa_choices"] = [list(p) for p in sorted(paths)]
     else:
         raise ValueError(variant)
     return {k: v for k, v in opts.items() if v is not None}

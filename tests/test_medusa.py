@@ -178,3 +178,16 @@ def test_heads_that_do_not_fit_the_target_are_refused():
     with pytest.raises(ValueError, match="not both"):
         target.generate(input_ids=ids, max_new_tokens=3, custom_generate=hf_specdec.decoding_method("medusa"),
                         drafter=_heads(), num_speculative_tokens=2, medusa_choices=[[0]])
+
+
+def test_pipeline_batched():
+    from transformers import pipeline
+
+    from tiny import word_tokenizer
+
+    target = tiny_model("llama", layers=2, hidden=H)
+    pipe = pipeline("text-generation", model=target, tokenizer=word_tokenizer())
+    kw = dict(max_new_tokens=8, do_sample=False, return_full_text=False)
+    texts = ["abcabcabc", "hello!!"]
+    assert pipe(texts, batch_size=2, **kw, custom_generate=hf_specdec.custom_generate_path("medusa"),
+                trust_remote_code=True, drafter=_heads()) == pipe(texts, batch_size=2, **kw)
