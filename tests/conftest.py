@@ -16,3 +16,25 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     return cache
+
+
+@pytest.fixture()
+def hub_upload(monkeypatch):
+    """``push_to_hub`` without a network: the repository creation and the upload are intercepted; the returned dict
+    gets the ``repo`` id and the ``files`` that would have been uploaded (what ``save_pretrained`` wrote)."""
+    import types
+    from pathlib import Path
+
+    from transformers.utils.hub import PushToHubMixin
+
+    uploaded = {}
+
+    def fake_upload(self, working_dir, repo_id, files_timestamps, **kwargs):
+        uploaded["repo"] = repo_id
+        uploaded["files"] = sorted(p.name for p in Path(working_dir).iterdir())
+        return "https://huggingface.co/fake/commit"
+
+    monkeypatch.setattr("huggingface_hub.HfApi.create_repo",
+                        lambda self, repo_id, **k: types.SimpleNamespace(repo_id=repo_id))
+    monkeypatch.setattr(PushToHubMixin, "_upload_modified_files", fake_upload)
+    return uploaded

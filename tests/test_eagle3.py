@@ -256,7 +256,7 @@ def test_eagle3_chain_in_transformers_loop():
     assert torch.equal(out, ref)
 
 
-def test_eagle3_pipeline_and_push_to_hub(tmp_path, monkeypatch):
+def test_eagle3_pipeline_and_push_to_hub(hub_upload):
     from transformers import pipeline
 
     from tiny import word_tokenizer
@@ -270,23 +270,9 @@ def test_eagle3_pipeline_and_push_to_hub(tmp_path, monkeypatch):
     assert pipe(texts, batch_size=2, **kw, custom_generate=hf_specdec.custom_generate_path("eagle3"),
                 trust_remote_code=True, drafter=drafter) == pipe(texts, batch_size=2, **kw)
     # push_to_hub uploads what save_pretrained writes (the upload itself is intercepted: no network here)
-    import types
-
-    from transformers.utils.hub import PushToHubMixin
-
-    uploaded = {}
-
-    def fake_upload(self, working_dir, repo_id, files_timestamps, **kwargs):
-        uploaded["repo"] = repo_id
-        uploaded["files"] = sorted(p.name for p in __import__("pathlib").Path(working_dir).iterdir())
-        return "https://huggingface.co/fake/commit"
-
-    monkeypatch.setattr("huggingface_hub.HfApi.create_repo",
-                        lambda self, repo_id, **k: types.SimpleNamespace(repo_id=repo_id))
-    monkeypatch.setattr(PushToHubMixin, "_upload_modified_files", fake_upload)
     drafter.push_to_hub("me/tiny-eagle3")
-    assert uploaded["repo"] == "me/tiny-eagle3"
-    assert {"config.json", "model.safetensors"} <= set(uploaded["files"])
+    assert hub_upload["repo"] == "me/tiny-eagle3"
+    assert {"config.json", "model.safetensors"} <= set(hub_upload["files"])
 
 
 def test_adaptive_tree_backs_off_when_drafting_cannot_pay(monkeypatch):

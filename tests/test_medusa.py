@@ -53,10 +53,12 @@ def test_heads_match_the_plain_equations(layers, shared):
     assert stored == (1 if shared else layers)
 
 
-def test_save_load_round_trip_and_auto_class(tmp_path):
+def test_save_load_round_trip_auto_class_and_push_to_hub(tmp_path, hub_upload):
     from transformers import AutoModel
 
     heads = _heads(draft_vocab=40)
+    heads.push_to_hub("me/tiny-medusa")
+    assert hub_upload["repo"] == "me/tiny-medusa" and {"config.json", "model.safetensors"} <= set(hub_upload["files"])
     heads.save_pretrained(tmp_path)
     again = AutoModel.from_pretrained(tmp_path)
     assert isinstance(again, MedusaHeads)
