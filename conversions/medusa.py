@@ -80,16 +80,36 @@ def detect_layout(config: dict, files) -> str:
         "config with medusa_num_heads). Pass --layout to force one.")
 
 
-def _fetch(source, revision: str | None, layout: str, extra: list[str]) -> tuple[Path, list[Path]]:
-    """The folder with config.json and the layout's weight files, fetching only the preferred format the repo has."""
+def _fetch(source, revision: str | None, layout: str, extra: list[str], heads_only: bool = False
+           ) -> tuple[Path, list[Path]]:
+    """The folder with config.json and the layout's weight files, fetching only the preferred format the repo has.
+    ``heads_only`` (a Medusa-2 checkpoint whose base is not wanted): when the checkpoint is sharded, only the shards
+    its index names for ``medusa_head.*`` keys are fetched, not the whole base model."""
     groups = _HEADS_FILES if layout == "medusa" else _MODEL_FILES
     for patterns in groups:
+        if heads_only:
+            index = [p for p in patterns if p.endswith(".index.json")]
+            folder = resolve_source(source, revision, ["config.json", *index])
+            shards = _head_shards(folder)
+            if shards:
+                folder = resolve_source(source, revision, ["config.json", *index, *shards])
+                return folder, [folder / name for name in shards]
         folder = resolve_source(source, revision, ["config.json", *patterns, *extra])
         files = sorted(f for p in patterns if not p.endswith(".json") for f in folder.glob(p))
         if files:
             return folder, files
     wanted = " or ".join(p for g in groups for p in g if not p.endswith(".json"))
     raise ConversionError(f"{source} has no weights for the {layout} layout ({wanted}).")
+
+
+def _head_shards(folder: Path) -> list[str]:
+    """The shard files a sharded checkpoint's index names for ``medusa_head.*`` keys (none without an index)."""
+    for index in sorted(folder.glob("*.index.json")):
+        weight_map = json.loads(index.read_text()).get("weight_map") or {}
+        shards = sorted({f for k, f in weight_map.items() if k.startswith("medusa_head.")})
+        if shards:
+            return shards
+    return []
 
 
 def _read(folder: Path, files: list[Path], keep=lambda key: True) -> dict[str, torch.Tensor]:
@@ -291,7 +311,8 @@ def convert_medusa(source: str | os.PathLike, out: str | os.PathLike | None = No
     if base_out is not None and layout != "medusa2":
         raise ConversionError(f"base_out is for Medusa-2 checkpoints (base model + heads); {source} holds heads only.")
     what = f"{source} ({layout} layout)"
-    folder, files = _fetch(source, revision, layout, _BASE_FILES if base_out is not None else [])
+    folder, files = _fetch(source, revision, layout, _BASE_FILES if base_out is not None else [],
+                           heads_only=layout == "medusa2" and base_out is None)
     if layout == "medusa2":
         keep = (lambda k: True) if base_out is not None else (lambda k: k.startswith("medusa_head."))
         tensors = _read(folder, files, keep)

@@ -98,9 +98,10 @@ def vllm_files(heads, fc_bias=False, original_lm_head=False, token_map=None, fmt
     return {"config.json": json.dumps(cfg).encode(), name: weights}
 
 
-def medusa2_files(base, heads, fmt="bin", shards=2):
+def medusa2_files(base, heads, fmt="bin", shards=2, heads_last=False):
     """A Medusa-2 model (FasterDecoding/medusa-1.0-*): the base's config + medusa fields, its weights + the heads as
-    ``medusa_head.*``, in ``shards`` ``pytorch_model-0000x-of-0000N.bin`` (or ``model-*.safetensors``) + an index."""
+    ``medusa_head.*``, in ``shards`` ``pytorch_model-0000x-of-0000N.bin`` (or ``model-*.safetensors``) + an index
+    (``heads_last``: every head tensor in the last shard, as a save that appends the heads after the base puts them)."""
     cfg = json.loads(base.config.to_json_string(use_diff=False))
     cfg.update(medusa_num_heads=len(heads), medusa_num_layers=len(heads[0][0]), architectures=["LlamaForCausalLM"])
     state = {k: v.clone() for k, v in base.state_dict().items()}
@@ -109,6 +110,11 @@ def medusa2_files(base, heads, fmt="bin", shards=2):
     files, weight_map = {}, {}
     for s in range(shards):
         part = {k: state[k] for k in keys[s::shards]}
+        if heads_last:
+            base_keys = [k for k in keys if not k.startswith("medusa_head.")]
+            part = {k: state[k] for k in base_keys[s::shards]}
+            if s == shards - 1:
+                part.update({k: state[k] for k in keys if k.startswith("medusa_head.")})
         name = (f"pytorch_model-{s + 1:05d}-of-{shards:05d}.bin" if fmt == "bin"
                 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors")
         files[name] = pickled(part) if fmt == "bin" else save_safetensors(part)

@@ -192,6 +192,25 @@ def test_medusa2_heads_and_base_split(hub, tmp_path, fmt):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "cli_base").config.model_type == "llama"
 
 
+def test_medusa2_heads_alone_fetch_only_the_shards_holding_them(hub, monkeypatch):
+    """A 7B Medusa-2 checkpoint is ~14 GB of base weights around ~1.5 GB of heads: without --base-out only the
+    index and the shards it names for medusa_head.* keys are fetched."""
+    heads = random_heads(num_heads=2, layers=1, seed=5)
+    repo = "FasterDecoding/medusa-1.0-vicuna-tiny-sharded"
+    write_cached_repo(hub, repo, medusa2_files(tiny_model("llama", hidden=H, vocab=V), heads, fmt="safetensors",
+                                               shards=3, heads_last=True))
+    asked = []
+    real = medusa_conv.resolve_source
+    monkeypatch.setattr(medusa_conv, "resolve_source",
+                        lambda source, revision=None, patterns=None: asked.append(patterns) or real(source, revision,
+                                                                                                       patterns))
+    assert_heads_compute(convert_medusa(repo), heads)
+    fetched = {p for patterns in asked for p in patterns or ["<everything>"]}
+    assert "model-00003-of-00003.safetensors" in fetched
+    assert not fetched & {"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "*.safetensors",
+                          "<everything>"}
+
+
 # ---------------------------------------------------------------------------------------------- fit, round trip, load
 def test_heads_that_do_not_fit_the_target_are_refused(tmp_path):
     src = as_folder(medusa_files(random_heads()), tmp_path / "src")
