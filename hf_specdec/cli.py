@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: draft 4, dflash 3); medusa: residual blocks per head (default 1)")
-    p.add_argument("--heads", type=int, default=4, help="medusa: heads (drafts along one path)")
+    p.add_argument("--heads", type=int, default=3, help="medusa: heads (drafts along one path)")
     p.add_argument("--block-size", type=int, default=16, help="dflash: block size")
     p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")

@@ -85,6 +85,7 @@ def test_demo_takes_trained_drafter_folders(tmp_path):
     from hf_specdec.demo import available_demo_methods
     from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
     from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+    from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
 
     target, student = _student()
     save_draft_model(student, tmp_path / "student")
@@ -93,9 +94,10 @@ def test_demo_takes_trained_drafter_folders(tmp_path):
     DFlashDrafter(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=8, vocab_size=96, block_size=4, mask_token_id=95,
                                target_layer_ids=[0, 1], num_target_layers=3)).save_pretrained(tmp_path / "dflash")
+    MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=96, medusa_num_heads=2)).save_pretrained(tmp_path / "medusa")
     methods = available_demo_methods(target, eagle3=str(tmp_path / "eagle3"), dflash=str(tmp_path / "dflash"),
-                                     drafter=tmp_path / "student")
-    assert set(methods) == {"prompt_lookup", "eagle3", "dflash", "assisted"}
+                                     medusa=str(tmp_path / "medusa"), drafter=tmp_path / "student")
+    assert set(methods) == {"prompt_lookup", "eagle3", "dflash", "assisted", "medusa"}
     ids, _ = prompts(1, 8)
     ref = target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
     for name, opts in methods.items():

@@ -268,7 +268,7 @@ METHOD = Method(
     drafter=DrafterSpec.published(
         MedusaHeads, convert_medusa, LAYOUTS,
         doc="Medusa heads",
-        shipped={},
+        shipped={SMOLLM2: "smollm2-135m-instruct-medusa"},
         train=_train,
         example="drafter=\"FasterDecoding/medusa-vicuna-7b-v1.3\")   # published repo, converted folder, or model",
     ),

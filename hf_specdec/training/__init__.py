@@ -61,6 +61,14 @@ def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_
     return out, layer_ids, FeatureShards(*folders)
 
 
+def _target_id(target) -> str | None:
+    """The id a drafter's config records for its target: a known target's Hub id (recognised by its config and
+    vocabulary, wherever its files are), else the path or id it was loaded from."""
+    from ..identity import identify
+
+    return identify(target) or getattr(target.config, "_name_or_path", None) or None
+
+
 def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384, draft_vocab: int = 8192,
                  config: TrainConfig | None = None, features_dir=None, ttt_steps: int = 7, seed: int = 0,
                  save_dtype=torch.float16, progress: bool = True, regenerate_max_new_tokens: int | None = None,
@@ -88,7 +96,7 @@ def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: in
         vocab_size=text.vocab_size, draft_vocab_size=size, target_hidden_size=text.hidden_size,
         num_target_layers=text.num_hidden_layers, target_layer_ids=layer_ids,
         rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
-        target_model=getattr(target.config, "_name_or_path", None) or None,
+        target_model=_target_id(target),
     )
     drafter = Eagle3Drafter(cfg)
     drafter.d2t.copy_(d2t)
@@ -157,7 +165,7 @@ def train_dflash(target, tokenizer, out_dir, layers: int = 3, block_size: int = 
             mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id,
             target_layer_ids=taps, num_target_layers=text.num_hidden_layers, target_hidden_size=text.hidden_size,
             rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)),
-            target_model=getattr(target.config, "_name_or_path", None) or None,
+            target_model=_target_id(target),
         ))
     drafter.config.check_target(target.config)
     embed = target.get_input_embeddings().weight.detach()
@@ -198,14 +206,18 @@ def train_medusa(target, tokenizer, out_dir, heads: int = 3, layers: int = 1, dr
         model = MedusaHeads(MedusaConfig(
             hidden_size=text.hidden_size, vocab_size=text.vocab_size, medusa_num_heads=heads,
             medusa_num_layers=layers, draft_vocab_size=size,
-            base_model_name_or_path=getattr(target.config, "_name_or_path", None) or None,
+            base_model_name_or_path=_target_id(target),
         )).init_from_target(target, torch.arange(size) + d2t)
     index = draft_index(model.token_map, text.vocab_size)
     model.train()
 
     def save(m, folder):  # a half-precision copy (token_map stays integer); the weights being trained stay fp32
-        m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
-                                              for k, v in m.state_dict().items()})
+        trained, m.config.dtype = m.config.dtype, save_dtype  # the config says what the file holds
+        try:
+            m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
+                                                  for k, v in m.state_dict().items()})
+        finally:
+            m.config.dtype = trained
 
     metrics = train(model, lambda m, b: medusa_loss(m, index, b, decay), shards, out, config or TrainConfig(),
                     save_model=save, progress=progress)
