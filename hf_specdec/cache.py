@@ -141,6 +141,11 @@ class CacheLayout:
     def real_counts(self) -> torch.LongTensor:
         return self.valid.sum(1)
 
+    def last_real(self) -> torch.LongTensor:
+        """``[B]``: each row's last real column (the committed token before the root; -1 for a row without one)."""
+        columns = torch.arange(self.length, device=self.valid.device)
+        return torch.where(self.valid, columns, -1).max(1).values
+
     def compaction_index(self) -> torch.LongTensor:
         """``[B, T']`` column indices that move every row's real columns to the right (left padding)."""
         counts = self.real_counts()

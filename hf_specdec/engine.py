@@ -182,8 +182,7 @@ def speculative_decode(
     rows = RowBook(state, stopper, streamer, want_scores=return_dict and bool(generation_config.output_scores),
                    want_logits=return_dict and bool(generation_config.output_logits),
                    pad_id=int(pad_id) if pad_id is not None else 0)
-    lossy = getattr(proposer, "typical_acceptance", None) is not None  # Medusa's typical acceptance, when asked for
-    stats = SpeculativeStats(method=proposer.name, acceptance="typical (lossy)" if lossy else "exact")
+    stats = SpeculativeStats(method=proposer.name)
     state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),
                                            capacity=stopper.max_length + proposer.max_nodes + 64)
     with runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules()) as target:
@@ -206,7 +205,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             input_ids: torch.LongTensor, attention_mask: torch.LongTensor) -> None:
     """Prefill, then propose -> verify -> accept -> commit until every row has stopped."""
     want_scores, want_logits = rows.want_scores, rows.want_logits
-    typical = getattr(proposer, "typical_acceptance", None)
+    typical = proposer.typical_acceptance  # Medusa's lossy rule, when asked for; None: the exact rules
+    stats.acceptance = "typical (lossy)" if typical else "exact"
     # ---- prefill (the same inputs plain generate() feeds) and the first token
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # [B, P]
     t0 = time.perf_counter()

@@ -48,6 +48,24 @@ class DraftTree:
         return self.tokens.shape[1]
 
     @classmethod
+    def from_rows(cls, root: torch.LongTensor, tokens: list[list[int]], parents: list[list[int]]) -> "DraftTree | None":
+        """A tree per row from lists: row ``b``'s drafts ``tokens[b]`` (parents first) and, for each, its parent's
+        slot (``0`` = the root, ``i`` = the row's ``i``-th draft); ``root [B]``. ``None`` when no row has a draft."""
+        width = 1 + max((len(t) for t in tokens), default=0)
+        if width == 1:
+            return None
+        bsz = root.shape[0]
+        pad = [[0] * (width - 1 - len(t)) for t in tokens]
+        token_rows = torch.tensor([t + z for t, z in zip(tokens, pad)], dtype=torch.long).reshape(bsz, width - 1)
+        parent_rows = torch.tensor([p + z for p, z in zip(parents, pad)], dtype=torch.long).reshape(bsz, width - 1)
+        counts = torch.tensor([len(t) for t in tokens])
+        valid = torch.arange(width)[None, :] <= counts[:, None]
+        device = root.device
+        return cls(tokens=torch.cat([root[:, None], token_rows.to(device)], dim=1),
+                   parents=torch.cat([torch.full((bsz, 1), -1, dtype=torch.long), parent_rows], dim=1).to(device),
+                   valid=valid.to(device))
+
+    @classmethod
     def chain(cls, root: torch.LongTensor, drafts: torch.LongTensor | None = None,
               num_drafts: torch.LongTensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A chain per row: ``root [B]``, ``drafts [B, k]`` of which the first ``num_drafts[b]`` are real.

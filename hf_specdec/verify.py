@@ -24,6 +24,7 @@ top-p, repetition penalty, ...), each applied with the node's own prefix.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -194,7 +195,7 @@ def _typical(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, p
         if len(path) > len(best[0]) or (len(path) == len(best[0]) and logq > best[1]):
             best = (path, logq)
         entropy = float(-(q * torch.log(q + 1e-5)).sum())  # the reference's entropy (log of p + 1e-5)
-        bar = min(threshold, alpha * float(torch.exp(torch.tensor(-entropy))))
+        bar = min(threshold, alpha * math.exp(-entropy))
         for c in children[node]:
             x = tokens[c]
             if float(q[x]) > bar:

@@ -105,8 +105,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
                                       layout.positions[:, start:end].to(self.device), mask, self.cache)
         self.synced = end
         # the root row of a row is its last real column
-        last = torch.where(layout.valid, torch.arange(layout.length, device=valid.device), -1).max(1).values
-        idx = (last - start).clamp(min=0).to(self.device)
+        idx = (layout.last_real() - start).clamp(min=0).to(self.device)
         root_logits = logits.gather(1, idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         root_hidden = hidden.gather(1, idx[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         return root_logits, root_hidden
@@ -257,10 +256,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             n = self._tree_size(state, probs)
             order, probs = order[:n], probs[:n]
             self._predicted.append(float(probs.sum()))
-            if state.cost_model is not None:
-                row = (1.0 + float(probs.sum()) * self.calibration, state.cost_model.relative(n + 1))
-                if self._worth is None or row[0] / row[1] > self._worth[0] / self._worth[1]:
-                    self._worth = row
+            self._note_worth(state, float(probs.sum()), n)
             chosen = set(order.tolist())
             par = parent[b].tolist()
             for c in list(chosen):  # ties can leave a parent out: add ancestors back
@@ -270,25 +266,9 @@ class Eagle3Proposer(FeatureDrafterProposer):
                     p = par[p]
             nodes = sorted(chosen)  # candidate indices grow with depth: parents come first
             slot = {c: i + 1 for i, c in enumerate(nodes)}
-            rows_tokens.append([int(tok[b, c]) for c in nodes])
+            rows_tokens.append(self.drafter.draft_to_target(tok[b, nodes]).tolist() if nodes else [])
             rows_parents.append([slot.get(par[c], 0) for c in nodes])
-        width = 1 + max(len(t) for t in rows_tokens)
-        if width == 1:
-            return None
-        tokens = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
-        parents = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
-        valid = torch.zeros(bsz, width, dtype=torch.bool, device=state.device)
-        tokens[:, 0] = state.roots()
-        parents[:, 0] = -1
-        valid[:, 0] = True
-        for b in range(bsz):
-            n = len(rows_tokens[b])
-            if n:
-                draft = self.drafter.draft_to_target(torch.tensor(rows_tokens[b], device=self.device))
-                tokens[b, 1:n + 1] = draft.to(state.device)
-                parents[b, 1:n + 1] = torch.tensor(rows_parents[b], device=state.device)
-                valid[b, 1:n + 1] = True
-        return DraftTree(tokens=tokens, parents=parents, valid=valid)
+        return DraftTree.from_rows(state.roots(), rows_tokens, rows_parents)
 
 
 def _build(target, opts) -> Eagle3Proposer:

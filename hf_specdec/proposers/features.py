@@ -51,11 +51,15 @@ class FeatureDrafterProposer(Proposer):
         self.target_hidden_states = self.hidden_state_ids(self.layer_ids)
 
     def begin(self, state) -> None:
-        weight = self._drafter_weight()
-        self.device, self.dtype = weight.device, weight.dtype
+        self._start()
         self.cache = DynamicCache()
         self.synced = 0
         self.features = self._fuse(state.hidden_states)  # [B, T, F]: one fused feature per layout column
+
+    def _start(self) -> None:
+        """What every call starts with: the drafter's device and dtype, a fresh back-off."""
+        weight = self._drafter_weight()
+        self.device, self.dtype = weight.device, weight.dtype
         self.backoff = BackOff()
 
     def commit(self, state, tree, result) -> None:
@@ -85,6 +89,15 @@ class FeatureDrafterProposer(Proposer):
         if hidden_states is None:
             raise RuntimeError(f"{self.name} needs the target's hidden states; the loop did not return them.")
         return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
+
+    def _note_worth(self, state, reach: float, n: int) -> None:
+        """Keep in ``_worth`` the best row's ``(expected tokens, verification cost)`` for :meth:`BackOff.judge`:
+        ``n`` drafts whose (uncalibrated) probabilities of lying on the accepted path sum to ``reach``."""
+        if state.cost_model is None:
+            return
+        row = (1.0 + reach * self.calibration, state.cost_model.relative(n + 1))
+        if self._worth is None or row[0] / row[1] > self._worth[0] / self._worth[1]:
+            self._worth = row
 
     def _update_calibration(self, result) -> None:
         if self._predicted is None:

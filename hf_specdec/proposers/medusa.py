@@ -34,7 +34,6 @@ from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
-from .base import BackOff
 from .features import FeatureDrafterProposer
 
 # The reference's default tree for a 7B target (FasterDecoding/Medusa ``medusa/model/medusa_choices.py``), in its
@@ -124,31 +123,22 @@ class MedusaProposer(FeatureDrafterProposer):
         if self.typical_acceptance is not None and not state.do_sample:
             raise ValueError("acceptance='typical' is a sampling rule (do_sample=True); greedy Medusa decoding is "
                              "always exact. Drop acceptance= or pass do_sample=True.")
-        weight = self._drafter_weight()
-        self.device, self.dtype = weight.device, weight.dtype
-        self.backoff = BackOff()
+        self._start()
         self._worth = None
-        hidden = self._hidden(state)  # [B, T, H] over the prompt columns
-        layout = state.layout
-        last = torch.where(layout.valid, torch.arange(layout.length, device=layout.valid.device), -1).max(1).values
-        self.last = hidden.gather(1, last.clamp(min=0).to(hidden.device)[:, None, None]
-                                  .expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
+        hidden = self._fuse(state.hidden_states)  # [B, T, H]: the final hidden state of every prompt column
+        last = state.layout.last_real().clamp(min=0).to(hidden.device)
+        self.last = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
 
     def commit(self, state, tree, result) -> None:
         self._update_calibration(result)
         self.backoff.observe(tree, result)
-        hidden = self._hidden(state)  # [B, N, H] for every tree node
+        hidden = self._fuse(state.hidden_states)  # [B, N, H] for every tree node
         for b, path in enumerate(result.paths):
             if path:  # the last kept node's state is the one whose LM head gave the row's next token
                 self.last[b] = hidden[b, path[-1]]
 
     def on_compact(self, state, index) -> None:
         pass  # the heads keep no per-column state
-
-    def _hidden(self, state) -> torch.Tensor:
-        if state.hidden_states is None:
-            raise RuntimeError("medusa needs the target's final hidden states; the loop did not return them.")
-        return state.hidden_states[self.target_hidden_states[0]].to(self.device, self.dtype)
 
     # ---- drafting
     def propose(self, state):
@@ -176,7 +166,8 @@ class MedusaProposer(FeatureDrafterProposer):
             at = (self._depth == level).nonzero()[:, 0]
             cum[:, at] += cum[:, self._parent[at]]
         reach = cum.exp()  # [B, P]
-        rows, self._predicted, self._worth = [], [], None
+        rows_tokens, rows_parents, self._predicted, self._worth = [], [], [], None
+        tokens = top_tokens.tolist()  # [B][D][k]
         for b in range(bsz):
             ok = (self._depth <= min(depth, state.max_drafts[b])) & usable
             nodes = ok.nonzero()[:, 0]
@@ -184,29 +175,17 @@ class MedusaProposer(FeatureDrafterProposer):
                 order = nodes[torch.argsort(reach[b, nodes], descending=True, stable=True)]
                 n = self._size(state, reach[b, order])
                 nodes = order[:n].sort().values  # pool order: parents first
-                if n and state.cost_model is not None:
-                    row = (1.0 + float(reach[b, nodes].sum()) * self.calibration, state.cost_model.relative(n + 1))
-                    if self._worth is None or row[0] / row[1] > self._worth[0] / self._worth[1]:
-                        self._worth = row
+                if n:
+                    self._note_worth(state, float(reach[b, nodes].sum()), n)
             self._predicted.append(float(reach[b, nodes].sum()) if len(nodes) else 0.0)
-            rows.append(nodes.tolist())
-        width = 1 + max(len(r) for r in rows)
-        if width == 1:
+            paths = [self.choices[p] for p in nodes.tolist()]
+            slot = {path: i + 1 for i, path in enumerate(paths)}  # the root is slot 0
+            rows_tokens.append([tokens[b][len(path) - 1][path[-1]] for path in paths])
+            rows_parents.append([slot.get(path[:-1], 0) for path in paths])
+        tree = DraftTree.from_rows(state.roots(), rows_tokens, rows_parents)
+        if tree is None:
             self._predicted = None
-            return None
-        tokens = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
-        parents = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
-        valid = torch.zeros(bsz, width, dtype=torch.bool, device=state.device)
-        tokens[:, 0] = state.roots()
-        parents[:, 0] = -1
-        valid[:, 0] = True
-        for b, nodes in enumerate(rows):
-            slot = {p: i + 1 for i, p in enumerate(nodes)}
-            for i, p in enumerate(nodes):
-                tokens[b, i + 1] = top_tokens[b, int(self._depth[p]) - 1, int(self._rank[p])]
-                parents[b, i + 1] = slot.get(int(self._parent[p]), 0)
-                valid[b, i + 1] = True
-        return DraftTree(tokens=tokens, parents=parents, valid=valid)
+        return tree
 
     def _size(self, state, reach: torch.Tensor) -> int:
         """How many of the best nodes (by calibrated reach probability) to verify: the count maximising expected
