@@ -257,7 +257,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         elapsed = time.perf_counter() - t0
         stats.verify_seconds += elapsed
         stats.target_forward_passes += 1
-        state.cost_model.record(tree.num_nodes, elapsed)
+        if tree.resume is None:  # a resumed forward (LayerSkip) is cheaper than the full one the model measures
+            state.cost_model.record(tree.num_nodes, elapsed)
 
         # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
         _keep_accepted(state, tree, result, past)

@@ -56,6 +56,7 @@ class TargetSession:
         self.dtype = self.model.dtype
         self.wants_hidden = bool(hidden_states)
         self.forward_kwargs = {"output_hidden_states": list(hidden_states)} if hidden_states else {}
+        self._stack = None  # a DecoderStack, for trees that resume a forward (LayerSkip)
 
     # ---- backend hooks (the plain runner: the model's own code path)
     def __enter__(self) -> "TargetSession":
@@ -110,8 +111,47 @@ class TargetSession:
         positions = state.root_positions[:, None] + tree.depths  # [B, N]
         mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, positions,
                                     tree.ancestors, self.dtype, kv_width=self.kv_width)
+        if tree.resume is not None:
+            return self._resume(tree, mask, positions)
         out = self.forward(tree.tokens, mask, positions)
         return out.logits.float(), self._hidden(out)
+
+    def _resume(self, tree, mask, positions):
+        """:meth:`verify` for a tree whose first nodes already went through layers ``0..E-1`` (``tree.resume``):
+        those layers run for the other nodes only, layers ``E..`` for every node (the same arithmetic as the full
+        forward, in two pieces)."""
+        from .stack import DecoderStack
+
+        if self._stack is None:
+            self._stack = DecoderStack(self.model)
+        stack, exit_layer, done = self._stack, tree.resume.layer, tree.resume.hidden.shape[1]
+        wanted = self.forward_kwargs.get("output_hidden_states") or []
+        if any(i < exit_layer for i in wanted):
+            raise ValueError(f"A resumed verification has no hidden states before layer {exit_layer}; asked for "
+                             f"{sorted(wanted)}.")
+
+        def rows(m, start):  # the mask rows of nodes start..N-1
+            return {k: v[:, :, start:] for k, v in m.items()} if isinstance(m, dict) else m[:, :, start:]
+
+        with self.forward_context(tree.num_nodes):
+            hidden = stack.embed(tree.tokens[:, done:])
+            if hidden.shape[1]:
+                late = positions[:, done:]
+                hidden = stack.run(hidden, 0, exit_layer, rows(mask, done), stack.rotary(hidden, late), late,
+                                   self.cache)
+            hidden = torch.cat([tree.resume.hidden.to(hidden.dtype), hidden], dim=1)
+            captured = {exit_layer: hidden}
+            rope = stack.rotary(hidden, positions)
+            for start, stop in _pieces(exit_layer, stack.num_layers, wanted):
+                hidden = stack.run(hidden, start, stop, mask, rope, positions, self.cache)
+                captured[stop] = hidden
+            normed = stack.norm(hidden)
+            captured[stack.num_layers] = normed  # hidden_states[-1] is the final norm's output, as transformers ties it
+            logits = stack.logits(normed, normed=True)
+        hidden_states = None
+        if self.wants_hidden:
+            hidden_states = tuple(captured.get(i) if i in wanted else None for i in range(stack.num_layers + 1))
+        return logits, hidden_states
 
     def calibrate(self, state, max_nodes: int) -> None:
         """Time two forwards per draft size the proposer may use, once per runner and batch size.
@@ -178,6 +218,12 @@ class TargetRunner:
     def session(self, cache, hidden_states: list[int] | None = None, drafters=()) -> TargetSession:
         """The target for one ``generate`` call (a context manager)."""
         return self.session_class(self, cache, hidden_states, drafters)
+
+
+def _pieces(start: int, stop: int, cuts) -> list[tuple[int, int]]:
+    """``[start, stop)`` split at the layer outputs in ``cuts`` (hidden-state indices) inside it."""
+    bounds = sorted({start, stop} | {c for c in cuts if start < c < stop})
+    return list(zip(bounds, bounds[1:]))
 
 
 def device_type_of(model) -> str:

@@ -17,6 +17,17 @@ import torch
 
 
 @dataclass
+class Resume:
+    """What a proposer computed of the target's forward over a tree: layers ``0..layer-1`` for its first
+    ``hidden.shape[1]`` nodes, whose keys/values are already in the target cache (columns after the layout, in node
+    order) and whose output of layer ``layer - 1`` is ``hidden [B, n, H]``. Verification runs those layers for the
+    remaining nodes only, and layers ``layer..`` for all (:meth:`hf_specdec.runners.TargetSession.verify`)."""
+
+    layer: int
+    hidden: torch.Tensor
+
+
+@dataclass
 class DraftTree:
     """A batch of draft trees, one per row, padded to the same number of nodes.
 
@@ -29,6 +40,8 @@ class DraftTree:
             (argmax, top-k or copied n-grams); the sampling verifier then uses the rule that is exact for
             deterministic drafts.
         is_chain: True when every row is a chain ``0 <- 1 <- 2 ...`` (enables the fast verification path).
+        resume: set by a proposer that already ran the target's first layers for the first nodes
+            (:class:`Resume`, LayerSkip): verification then runs only the rest of the stack for them.
     """
 
     tokens: torch.LongTensor
@@ -36,6 +49,7 @@ class DraftTree:
     valid: torch.BoolTensor
     draft_probs: torch.Tensor | None = None
     is_chain: bool = False
+    resume: "Resume | None" = None
     _depths: torch.LongTensor | None = field(default=None, repr=False)
     _ancestors: torch.BoolTensor | None = field(default=None, repr=False)
 
