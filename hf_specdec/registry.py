@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash", "medusa")  # hf_specdec.proposers modules with a METHOD
+BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash", "medusa", "layerskip")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
 
@@ -113,10 +113,14 @@ class DrafterSpec:
         shipped: target model id -> folder under ``hf_specdec/drafters`` trained by this project.
         flag: the CLI option naming it for ``demo`` / ``bench`` (default: ``--<method>``).
         required: the method cannot run without one.
+        default_when: for a drafter that is not required, ``default_when(options)`` says whether the shipped one
+            drafts when none is given (``None``: never).
         example: how the method folder's README passes one (the rest of the ``generate`` call's line).
         train: ``train(target, tokenizer, out_dir, cli_args, common) -> (drafter, metrics)`` for
             ``hf-specdec train <train_name>`` (``common``: the trainer keywords every drafter shares).
         train_name: the name ``hf-specdec train`` knows it by (default: the method's).
+        more_training: other ``hf-specdec train`` recipes of the method, by name: ``(what it trains, train)`` with
+            ``train`` called as above (LayerSkip's recipe, which trains the target itself).
     """
 
     doc: str
@@ -129,9 +133,11 @@ class DrafterSpec:
     shipped: Mapping[str, str] = field(default_factory=dict)
     flag: str | None = None
     required: bool = True
+    default_when: Callable[[dict], bool] | None = None
     example: str = 'drafter="path/or/hub-id")'
     train: Callable | None = None
     train_name: str | None = None
+    more_training: Mapping[str, tuple[str, Callable]] = field(default_factory=dict)
 
     @classmethod
     def published(cls, model_cls, convert: Callable, layouts: tuple[str, ...], **fields) -> "DrafterSpec":
@@ -185,6 +191,14 @@ class Method:
     def train_name(self) -> str | None:
         """What ``hf-specdec train`` calls its drafter (``None``: no trainer)."""
         return None if self.drafter is None or self.drafter.train is None else (self.drafter.train_name or self.name)
+
+    @property
+    def trainers(self) -> dict[str, tuple[str, Callable]]:
+        """Every ``hf-specdec train`` recipe of the method: name -> ``(what it trains, train)``."""
+        if self.drafter is None:
+            return {}
+        found = {self.train_name: (self.drafter.doc, self.drafter.train)} if self.train_name else {}
+        return {**found, **self.drafter.more_training}
 
     def parse_option(self, text: str) -> tuple[str, Any]:
         """``"KEY=VALUE"`` (a command-line string) -> ``(key, value)`` of one of its options."""
@@ -299,7 +313,7 @@ def build_proposer(method: str, model, **opts):
     record = get(method)
     resolved = record.resolve(opts)
     if record.drafter is not None:
-        resolved["drafter"] = load_drafter(record, resolved["drafter"], model)
+        resolved["drafter"] = load_drafter(record, resolved["drafter"], model, resolved)
     return record.build(model, resolved)
 
 
@@ -431,14 +445,17 @@ def _source_key(source) -> tuple:
     return (str(source), None)
 
 
-def load_drafter(method: str | Method, drafter, target):
+def load_drafter(method: str | Method, drafter, target, options: dict | None = None):
     """``method``'s drafter for ``target``: a module is checked and returned; a path or Hub id is loaded with the
-    method's loader, once per target (a small cache of the last few: later ``generate`` calls reuse it)."""
+    method's loader, once per target (a small cache of the last few: later ``generate`` calls reuse it). ``None``:
+    the shipped one where the method needs a drafter (or, for an optional one, where ``default_when(options)``)."""
     record = method if isinstance(method, Method) else get(method)
     spec = record.drafter
-    if drafter is None and spec is not None and spec.required:
+    wants_default = spec is not None and (spec.required or (
+        spec.default_when is not None and spec.default_when(options or {})))
+    if drafter is None and wants_default:
         drafter = _default_drafter(record, target)
-        if drafter is None:
+        if drafter is None and spec.required:
             shipped = f" (drafters ship for {', '.join(spec.shipped)})" if spec.shipped else ""
             raise ValueError(f"The {record.name!r} method needs {spec.doc}: {spec.hint}{shipped}.")
     if drafter is None:

@@ -5,6 +5,8 @@ Importing this package registers the configs and models with transformers' Auto 
 
 from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
+from .layerskip import ExitAdapter, ExitAdapterConfig
 from .medusa import MedusaConfig, MedusaHeads
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "Eagle3Config", "Eagle3Drafter", "MedusaConfig", "MedusaHeads"]
+__all__ = ["DFlashConfig", "DFlashDrafter", "Eagle3Config", "Eagle3Drafter", "ExitAdapter", "ExitAdapterConfig",
+           "MedusaConfig", "MedusaHeads"]

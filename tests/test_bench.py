@@ -181,3 +181,21 @@ def test_bench_under_background_load_only():
     assert len(result["background_load"]["pids"]) == 1 and _gone(result["background_load"]["pids"][0])
     assert all(r["loaded"] for r in result["runs"])
     assert not any(k.endswith("_loaded") for r in result["summary"] for k in r)  # one condition: the usual keys
+
+
+def test_bench_layerskip_and_transformers_early_exit():
+    """``layerskip[:E]`` next to transformers' ``assistant_early_exit`` (``hf_early_exit:E``): both lossless, and a
+    target forward is counted where the last layer runs (LayerSkip verifies without the model's ``forward``; the early
+    exit's drafts run only the first layers, which is no target forward)."""
+    model = tiny_model("llama", vocab=96, layers=4)
+    tok = _chat_tokenizer(40)
+    methods = build_methods(["layerskip:2", "layerskip:2:num_speculative_tokens=3", "hf_early_exit:2"])
+    assert methods[2].kwargs == {"assistant_early_exit": 2}
+    result = run_bench(model, tok, methods, ["gsm8k"], limit=1, max_new_tokens=12, batch_size=1, progress=False)
+    assert all(r["mismatches"] == 0 for r in result["summary"])
+    runs = {r["method"]: r for r in result["runs"]}
+    fixed = runs["layerskip:2:num_speculative_tokens=3"]
+    # (the warm-up call already timed the forward sizes: no calibration forwards in the measured call)
+    assert fixed["target_forwards"] == fixed["stats"]["target_forward_passes"]
+    assert fixed["tau"] is not None and 1.0 <= fixed["tau"] <= 4.0
+    assert runs["hf_early_exit:2"]["target_forwards"] < 12  # drafting forwards of the first layers not counted

@@ -44,6 +44,7 @@ from transformers import (
 import hf_specdec
 from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
 from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+from hf_specdec.modeling.layerskip import ExitAdapter, ExitAdapterConfig
 from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
 from hf_specdec.proposers import Proposer
 from hf_specdec.proposers.medusa import MC_SIM_7B_63
@@ -213,17 +214,41 @@ def build_medusa(target_spec: TargetSpec, heads: int, layers: int, shared: bool,
     return _DRAFTERS[key]
 
 
+def build_exit_adapter(target_spec: TargetSpec, exit_layer: int, draft_vocab: int, mlp: bool, seed: int = 0):
+    """A LayerSkip exit adapter for the target of ``target_spec``: the plain early exit plus a small random
+    attention (and MLP) output, over a random draft vocabulary of ``draft_vocab`` tokens."""
+    key = ("exit_adapter", target_spec, exit_layer, draft_vocab, mlp, seed)
+    if key not in _DRAFTERS:
+        target = build_target(target_spec)
+        config = ExitAdapterConfig(exit_layer=exit_layer, hidden_size=target_spec.hidden, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, intermediate_size=16 if mlp else 0,
+                                   vocab_size=target_spec.vocab, draft_vocab_size=draft_vocab,
+                                   num_target_layers=target_spec.layers)
+        g = torch.Generator().manual_seed(seed)
+        used = torch.arange(target_spec.vocab) if draft_vocab == target_spec.vocab else \
+            torch.randperm(target_spec.vocab, generator=g)[:draft_vocab].sort().values
+        torch.manual_seed(seed)
+        adapter = ExitAdapter(config).init_from_target(target, used)
+        with torch.no_grad():
+            for layer in adapter.layers:
+                layer.o_proj.weight.add_(0.1 * torch.randn(layer.o_proj.weight.shape, generator=g))
+        _DRAFTERS[key] = adapter.eval()
+    return _DRAFTERS[key]
+
+
 # ------------------------------------------------------------------------------------------------ strategies
 # what each test case runs: every built-in method, EAGLE-3 with its two draft shapes
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
-            "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa"}
+            "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa",
+            "layerskip": "layerskip"}
 
 
 @st.composite
-def target_specs(draw, vocab: int, window: int = WIDE_WINDOW):
-    """A tiny target of any of :data:`ARCHS`: 1-3 layers, width 16-48, 1, 2 or 4 key/value heads."""
-    arch = draw(st.sampled_from(ARCHS))
-    layers = draw(st.integers(1, 3))
+def target_specs(draw, vocab: int, window: int = WIDE_WINDOW, drivable: bool = False):
+    """A tiny target of any of :data:`ARCHS`: 1-3 layers, width 16-48, 1, 2 or 4 key/value heads. ``drivable``:
+    one LayerSkip can run in pieces (not GPT-2, 2-3 layers)."""
+    arch = draw(st.sampled_from([a for a in ARCHS if a != "gpt2"] if drivable else ARCHS))
+    layers = draw(st.integers(2 if drivable else 1, 3))
     spec = dict(arch=arch, vocab=vocab, hidden=draw(st.sampled_from([16, 32, 48])), layers=layers,
                 kv_heads=draw(st.sampled_from([1, 2, 4])) if arch != "gpt2" else 4, seed=draw(st.integers(0, 3)),
                 window=window)
@@ -319,6 +344,14 @@ def method_options(draw, variant: str, spec: TargetSpec):
                     parent = draw(st.sampled_from(sorted(paths)))
                     paths.add(parent + (draw(st.integers(0, 3)),))
                 opts["medusa_choices"] = [list(p) for p in sorted(paths)]
+    elif variant == "layerskip":
+        exit_layer = draw(st.integers(1, spec.layers - 1))
+        opts["num_speculative_tokens"] = draw(st.sampled_from([None, 1, 3, 5]))
+        if draw(st.booleans()):
+            opts["drafter"] = build_exit_adapter(spec, exit_layer, draw(st.sampled_from([spec.vocab, spec.vocab // 2])),
+                                                 mlp=draw(st.booleans()), seed=draw(st.integers(0, 2)))
+        else:
+            opts["exit_layer"] = exit_layer
     else:
         raise ValueError(variant)
     return {k: v for k, v in opts.items() if v is not None}
@@ -336,7 +369,7 @@ def scenarios(draw, variant: str):
     max_new = draw(st.integers(1, MAX_NEW))
     slack = draw(st.sampled_from([None] * 6 + [0, 1, -1]))
     window = WIDE_WINDOW if slack is None else int(mask.sum(1).max()) + max_new + slack
-    spec = draw(target_specs(vocab, window))
+    spec = draw(target_specs(vocab, window, drivable=variant == "layerskip"))
     return dict(spec=spec, ids=ids, mask=mask, max_new=max_new,
                 eos=draw(st.sampled_from(["none", "likely", "list"])), eos_pick=draw(st.integers(0, 10 ** 6)),
                 pad=draw(st.sampled_from([None, EOS])),  # None: the config's pad id (0); EOS: GPT-2's habit

@@ -159,8 +159,21 @@ def _medusa_heads():
     return heads
 
 
+def _exit_adapter(model):
+    from hf_specdec.modeling.layerskip import ExitAdapter, ExitAdapterConfig
+
+    torch.manual_seed(7)
+    config = ExitAdapterConfig(exit_layer=1, hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=4, intermediate_size=8, vocab_size=V, draft_vocab_size=4, num_target_layers=2)
+    adapter = ExitAdapter(config).init_from_target(model, torch.tensor([0, 2, 3, 5]))
+    with torch.no_grad():
+        for layer in adapter.layers:
+            layer.o_proj.weight.normal_(0, 0.5)
+    return adapter.eval()
+
+
 @pytest.mark.parametrize("method", ["assisted", "assisted_draft_vocab", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
-                                    "eagle3_chain", "dflash", "medusa"])
+                                    "eagle3_chain", "dflash", "medusa", "layerskip", "layerskip_adapter"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
@@ -184,6 +197,10 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
         custom = hf_specdec.decoding_method("medusa", drafter=_medusa_heads(),
                                             medusa_choices=[[0], [1], [0, 0], [0, 1], [1, 0]],
                                             draft_length_schedule="constant")
+    elif method == "layerskip":  # the target's own first layer + its head draft (sampled from that distribution)
+        custom = hf_specdec.decoding_method("layerskip", exit_layer=1, num_speculative_tokens=2)
+    elif method == "layerskip_adapter":  # through an adapter over 4 of the 6 tokens: q is zero on the other two
+        custom = hf_specdec.decoding_method("layerskip", drafter=_exit_adapter(model), num_speculative_tokens=2)
     elif method == "eagle3_chain":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
     else:

@@ -74,31 +74,49 @@ SCHEMA = "hf_specdec.bench/1"
 
 # ----------------------------------------------------------------------------------------------------- probes
 class ForwardProbe:
-    """Counts and times the forwards of a module (hooks); records the number of new tokens of each."""
+    """Counts and times the forwards of a module (hooks); records the number of new tokens of each.
+
+    For a decoder-only model the count and sizes come from its *last decoder layer*: a target forward is what ends
+    in it, whether it ran through the model's ``forward`` or in pieces (LayerSkip's verification runs the late
+    layers alone; transformers' ``assistant_early_exit`` drafts with the first layers only, which is no target
+    forward). The times are those of the model's ``forward`` calls (``seconds`` may then be shorter than ``sizes``).
+    """
 
     def __init__(self, module, time_calls: bool):
         self.module = module
         self.time_calls = time_calls
-        self.sizes: list[int] = []
+        self.calls: list[int] = []  # new tokens of each forward() call
+        self.ends: list[int] = []  # new tokens of each call of the last decoder layer
         self.seconds: list[float] = []
         self._t0 = None
         self._handles = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post),
         ]
+        layers = getattr(getattr(module, "base_model", None), "layers", None)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers):
+            self._handles.append(layers[-1].register_forward_pre_hook(self._end, with_kwargs=True))
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.ends if self.ends else self.calls
+
+    def _end(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        self.ends.append(int(hidden.shape[1]) if hidden is not None else 0)
 
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        self.sizes.append(int(ids.shape[1]) if ids is not None else 0)
+        self.calls.append(int(ids.shape[1]) if ids is not None else 0)
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, output):
         self.seconds.append(time.perf_counter() - self._t0 if self.time_calls else 0.0)
 
     def reset(self):
-        self.sizes, self.seconds = [], []
+        self.calls, self.ends, self.seconds = [], [], []
 
     def remove(self):
         for h in self._handles:
@@ -160,7 +178,7 @@ class BenchMethod:
     context: object = None  # a context manager factory ``f(model)`` around its generate call
 
 
-BASELINES = ("plain", "plain_kernels", "oracle:K", "hf_prompt_lookup:K", "hf_assisted")
+BASELINES = ("plain", "plain_kernels", "oracle:K", "hf_prompt_lookup:K", "hf_assisted", "hf_early_exit:E")
 BACKGROUND_LOAD_MODES = ("off", "on", "both")
 
 
@@ -204,6 +222,8 @@ def _baseline(base: str, arg: str, name: str, drafter) -> BenchMethod | None:
         if drafter is None:
             raise ValueError("method 'hf_assisted' needs --drafter")
         return BenchMethod(name, {"assistant_model": drafter})
+    if base == "hf_early_exit":  # transformers' own LayerSkip: assistant_early_exit (a second cache, all layers)
+        return BenchMethod(name, {"assistant_early_exit": int(arg or 4)})
     return None
 
 
@@ -213,7 +233,8 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
     A string is a registered method or one of its shorthands, ``NAME[:ARG][:KEY=VALUE...]`` (``hf-specdec methods``
     lists them: e.g. ``eagle3:2-3-4``, ``eagle3_chain:3``, ``dflash_fixed:8``, ``prompt_lookup:prompt_lookup_num_tokens=8``),
     or a baseline: ``plain`` (always run), ``plain_kernels`` (plain greedy decoding with the loop's CPU kernel trick),
-    ``oracle:K``, ``hf_prompt_lookup:K``, ``hf_assisted``. ``drafters`` gives a method's drafter (a module) by its
+    ``oracle:K``, ``hf_prompt_lookup:K``, ``hf_assisted``, ``hf_early_exit:E`` (transformers'
+    ``assistant_early_exit=E``). ``drafters`` gives a method's drafter (a module) by its
     CLI flag, which is the method's name unless its record says otherwise (``drafter`` for ``assisted``; it is also
     the draft model of ``hf_assisted``).
     """
@@ -444,11 +465,14 @@ def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool) 
         decode_sizes = fsizes[1:]
         n_decode = max(new_tokens - seq.shape[0], 0)
         cost = sum(_relative_cost(curve, q) for q in decode_sizes)
+        forward_seconds = sum(fsecs)
+        if stats and len(fsizes) > len(fsecs):  # forwards run in pieces (LayerSkip): the loop's own timing
+            forward_seconds = stats["verify_seconds"]
         runs.append(dict(
             method=m.name if m else "plain", dataset=dataset, prompt_id=",".join(p.id for p in batch),
             new_tokens=new_tokens, seconds=secs, prefill_seconds=fsecs[0] if fsecs else None,
             target_forwards=len(fsizes), forward_sizes=decode_sizes,
-            target_forward_seconds=sum(fsecs), drafter_forward_seconds=sum(dsecs),
+            target_forward_seconds=forward_seconds, drafter_forward_seconds=sum(dsecs),
             tau=(n_decode / seq.shape[0]) / len(decode_sizes) if decode_sizes else None,
             ceiling=(n_decode / seq.shape[0]) / cost if cost else None,
             identical=bool(seq.shape == ref.shape and torch.equal(seq.cpu(), ref.cpu())),

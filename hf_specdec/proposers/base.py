@@ -77,6 +77,22 @@ class BackOff:
         self.skip = self.length
 
 
+def next_draft(state, logits: torch.Tensor, prefixes, drafts: list, process):
+    """One more draft per row of a chain from the drafter's ``logits [B, V]`` (fp32, the target's vocabulary): the
+    call's logits processors applied with each row's own prefix and its drafts so far (``process``:
+    :meth:`DecodingState.process_fn`, ``None`` without processors; ``prefixes``: each row's committed ids), then
+    sampled when the call samples, else the argmax. Returns ``(tokens [B], probs [B, V])``: ``probs`` is the
+    distribution the drafts come from (the exact sampling rule needs it), the softmax of the processed logits."""
+    if process is not None:
+        logits = torch.cat([
+            process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])
+            for b in range(logits.shape[0])
+        ])
+    probs = torch.softmax(logits, dim=-1)
+    tokens = torch.multinomial(probs, 1)[:, 0] if state.do_sample else logits.argmax(-1)
+    return tokens, probs
+
+
 class Proposer:
     """Drafts tokens for the decoding loop (:func:`hf_specdec.engine.speculative_decode`).
 

@@ -14,7 +14,7 @@ from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree, build_attention_mask
-from .base import Proposer
+from .base import Proposer, next_draft
 
 CONSTANT_TOKENS = 5  # the draft length of draft_length_schedule="constant" when num_speculative_tokens is not given
 MAX_TOKENS = 12  # the longest draft the adaptive length may choose
@@ -172,17 +172,9 @@ class DraftModelProposer(Proposer):
                 logits = self._forward(state, drafts[-1][:, None], state.root_positions[:, None] + i,
                                        torch.cat([layout.valid, ones[:, :i]], 1), past_pos, ones[:, :1, None])
                 self.token_seconds.add(time.perf_counter() - t1)
-            if process is not None:
-                logits = torch.cat([
-                    process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])
-                    for b in range(bsz)
-                ])
+            nxt, p = next_draft(state, logits, prefixes, drafts, process)
             if state.do_sample:
-                p = torch.softmax(logits, dim=-1)
-                nxt = torch.multinomial(p, 1)[:, 0]
                 probs.append(p)
-            else:
-                nxt = logits.argmax(-1)
             drafts.append(nxt)
         self.fed = k  # the root and drafts[:k-1] were added beyond the committed columns
         drafts_t = torch.stack(drafts, dim=1)

@@ -61,6 +61,19 @@ def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_
     return out, layer_ids, FeatureShards(*folders)
 
 
+def _half_copy(save_dtype):
+    """A ``save_model`` for :func:`.trainer.train` that writes a ``save_dtype`` copy (integer buffers such as a
+    ``token_map`` unchanged; the config says what the file holds); the weights being trained stay fp32."""
+    def save(m, folder):
+        trained, m.config.dtype = m.config.dtype, save_dtype
+        try:
+            m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
+                                                  for k, v in m.state_dict().items()})
+        finally:
+            m.config.dtype = trained
+    return save
+
+
 def _target_id(target) -> str | None:
     """The id a drafter's config records for its target: a known target's Hub id (recognised by its config and
     vocabulary, wherever its files are), else the path or id it was loaded from."""
@@ -211,17 +224,95 @@ def train_medusa(target, tokenizer, out_dir, heads: int = 3, layers: int = 1, dr
     index = draft_index(model.token_map, text.vocab_size)
     model.train()
 
-    def save(m, folder):  # a half-precision copy (token_map stays integer); the weights being trained stay fp32
-        trained, m.config.dtype = m.config.dtype, save_dtype  # the config says what the file holds
-        try:
-            m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
-                                                  for k, v in m.state_dict().items()})
-        finally:
-            m.config.dtype = trained
-
     metrics = train(model, lambda m, b: medusa_loss(m, index, b, decay), shards, out, config or TrainConfig(),
-                    save_model=save, progress=progress)
+                    save_model=_half_copy(save_dtype), progress=progress)
     return MedusaHeads.from_pretrained(out / "final"), metrics
+
+
+def train_exit_adapter(target, tokenizer, out_dir, exit_layer: int = 4, draft_vocab: int = 8192, mlp: bool = True,
+                       layers: int = 1,
+                       samples: int = 1500, max_length: int = 384, config: TrainConfig | None = None,
+                       features_dir=None, seed: int = 0, save_dtype=torch.float16, progress: bool = True,
+                       regenerate_max_new_tokens: int | None = None, data_path=None, init_from=None):
+    """Train a LayerSkip exit adapter (Kangaroo-style) for the frozen ``target``: ``layers`` adapter layers
+    (attention, and a SwiGLU MLP of the target's width unless ``mlp=False``) between ``hidden_states[exit_layer]`` and the target's
+    LM head over the ``draft_vocab`` most frequent training tokens, started as the plain early exit. The exit states
+    are added to the shared feature cache (only layers ``0..exit_layer-1`` run). ``init_from``: an adapter folder to
+    continue from."""
+    from ..modeling.layerskip import ExitAdapter, ExitAdapterConfig
+    from .eagle3 import draft_vocabulary
+    from .layerskip import ExitShards, exit_adapter_loss, exit_features
+
+    text = target.config.get_text_config()
+    out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
+                                     regenerate_max_new_tokens, data_path)
+    data = ExitShards(shards, exit_features(target, shards, exit_layer, progress))
+    torch.manual_seed(seed)
+    if init_from is not None:
+        model = ExitAdapter.from_pretrained(init_from, dtype=torch.float32).bind_target(target)
+    else:
+        size = min(draft_vocab, text.vocab_size)
+        d2t, _ = draft_vocabulary(shards.token_counts(text.vocab_size), size)
+        rope = getattr(text, "rope_parameters", None) or {}
+        model = ExitAdapter(ExitAdapterConfig(
+            exit_layer=exit_layer, hidden_size=text.hidden_size, num_hidden_layers=layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            intermediate_size=text.intermediate_size if mlp else 0,
+            rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size, draft_vocab_size=size,
+            num_target_layers=text.num_hidden_layers, base_model_name_or_path=_target_id(target),
+        )).init_from_target(target, torch.arange(size) + d2t)
+    model.head.float()
+    model.train()
+
+    metrics = train(model, exit_adapter_loss, data, out, config or TrainConfig(), save_model=_half_copy(save_dtype),
+                    progress=progress)
+    return ExitAdapter.from_pretrained(out / "final").bind_target(target), metrics
+
+
+def train_layerskip(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384,
+                    config: TrainConfig | None = None, seed: int = 0, progress: bool = True,
+                    regenerate_max_new_tokens: int | None = None, data_path=None, max_dropout: float = 0.1,
+                    dropout_scale: str = "exp", curriculum: str = "rotational", exit_every: int = 8,
+                    exit_scale: float = 1.0, **_ignored):
+    """Continue training ``target`` itself with the LayerSkip recipe (:func:`.layerskip.layerskip_loss`): layer
+    dropout rising to ``max_dropout`` at the last layer, and early-exit losses through the shared final norm and LM
+    head on the layers of the ``curriculum`` ('rotational': every ``exit_every``-th layer, rotating; 'gradual').
+    Every weight trains, so this is for GPUs (``accelerate launch`` for several); the result, ``<out_dir>/final``, is
+    a new target model (a plain transformers folder) to run with ``layerskip`` and ``exit_layer=E``."""
+    from .data import training_samples
+    from .layerskip import dropout_rates, layerskip_loss
+
+    out = Path(out_dir)
+    pairs = training_samples(tokenizer, samples, max_length=max_length, seed=seed, target=target,
+                             regenerate_max_new_tokens=regenerate_max_new_tokens, data_path=data_path)
+    data = [{"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask, dtype=torch.uint8)}
+            for ids, mask in pairs]
+    config = config or TrainConfig()
+    model = target.float()
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    n = model.config.get_text_config().num_hidden_layers
+    rates = dropout_rates(n, max_dropout, dropout_scale)
+    per_epoch = max(1, -(-len(data) // max(config.batch_size, 1)) // max(config.grad_accum, 1))
+    total = config.max_steps or max(1, int(per_epoch * config.epochs))
+    calls = [0]
+
+    def loss_fn(m, batch):  # the curriculum advances per optimizer step
+        step = calls[0] // max(config.grad_accum, 1)
+        calls[0] += 1
+        return layerskip_loss(m, batch, step, rates, curriculum, exit_every, total, exit_scale)
+
+    def save(m, folder):
+        m.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    metrics = train(model, loss_fn, data, out, config, save_model=save, progress=progress)
+    model.eval()
+    return model, metrics
 
 
 def distillation_loss(student, target_head: torch.Tensor, batch: dict, temperature: float = 1.0):

@@ -1,0 +1,348 @@
+"""LayerSkip self-speculation (Elhoushi et al., 2024): the target's own first ``E`` layers draft, sharing its cache.
+
+Drafting runs the root and each draft through layers ``0..E-1`` of the target itself (:class:`~hf_specdec.stack.
+DecoderStack`, transformers' own modules) and reads the exit out with the target's final norm and LM head -- or,
+with an exit adapter (:class:`~hf_specdec.modeling.layerskip.ExitAdapter`, Kangaroo-style, trained with the target
+frozen), through the adapter and the head. The early layers' keys/values of the root and the drafts go into the
+target's one cache as they are computed, and the chain is returned with their layer-``E`` hidden states
+(:class:`~hf_specdec.tree.Resume`): verification then runs layers ``0..E-1`` for the last draft only and layers
+``E..N-1`` for all, so no early layer runs twice for a token and the cache holds each early-layer key/value once.
+After acceptance the loop cuts every layer back to the accepted path, as for any method.
+
+The target decides every token, so the output is the target's: greedy equals ``generate(do_sample=False)``, sampling
+uses exact speculative sampling with the exit's distribution as the draft distribution. The draft length follows the
+measured costs (the drafting steps, and verification without the early layers) and the running acceptance rate.
+
+Unlike transformers' ``assistant_early_exit``, which drafts with a separate cache and verifies every layer of every
+draft at batch size 1, this runs any batch and computes each early layer once per token.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .. import cache as cache_ops
+from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
+from ..default_model import MODEL_ID as SMOLLM2
+from ..modeling.layerskip import ExitAdapter
+from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
+from ..stack import DecoderStack
+from ..tree import DraftTree, Resume, build_attention_mask
+from .base import Proposer, next_draft
+
+CONSTANT_TOKENS = 4  # draft_length_schedule="constant" when num_speculative_tokens is not given
+MAX_TOKENS = 10  # the longest draft the adaptive length may choose
+
+
+def default_exit_layer(num_layers: int) -> int:
+    """``E`` when neither ``exit_layer`` nor an adapter says: a quarter of the layers (the LayerSkip checkpoints'
+    published choices: 4 of 16 for Llama-3.2-1B, 8 of 32 for Llama-2-7B)."""
+    return max(1, min(num_layers - 1, round(num_layers / 4)))
+
+
+class _ResumedCost:
+    """The target's measured costs as a resumed verification sees them: ``q`` tokens through layers ``E..``, one
+    through layers ``0..E-1`` (``early`` = their share of a one-token forward)."""
+
+    def __init__(self, cost, early: float):
+        self.cost, self.early = cost, early
+
+    def relative(self, q: int) -> float:
+        return self.early + (1.0 - self.early) * self.cost.relative(q)
+
+    def explore_due(self) -> bool:
+        return self.cost.explore_due()
+
+
+class LayerSkipProposer(Proposer):
+    """Drafts a chain with the target's first ``exit_layer`` layers (see the module doc).
+
+    Args:
+        exit_layer: ``E`` (``1 <= E < num_hidden_layers``); default: the adapter's, else
+            :func:`default_exit_layer`.
+        adapter: an :class:`ExitAdapter` between the exit and the LM head, or ``None`` (the plain early exit).
+        num_tokens: fixed draft length; ``None``: chosen per step (up to ``max_tokens``).
+    """
+
+    name = "layerskip"
+
+    def __init__(self, exit_layer: int | None = None, adapter: ExitAdapter | None = None,
+                 num_tokens: int | None = None, max_tokens: int = MAX_TOKENS):
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}.")
+        if adapter is not None and exit_layer is not None and exit_layer != adapter.config.exit_layer:
+            raise ValueError(f"The exit adapter reads layer {adapter.config.exit_layer}'s exit, not exit_layer="
+                             f"{exit_layer}. Drop exit_layer, or pass exit='plain' to draft without the adapter.")
+        self.exit_layer = adapter.config.exit_layer if adapter is not None else exit_layer
+        self.adapter = adapter
+        self.drafter = adapter
+        self.num_tokens = num_tokens
+        self.max_tokens = num_tokens if num_tokens is not None else max_tokens
+        self.max_nodes = self.max_tokens + 1
+
+    def draft_modules(self) -> list:
+        # the adapter and its read-out (the target head's rows, kept outside the module tree); the early layers and
+        # the plain exit's head are the target's own, which take the drafting kernels inside every proposal anyway
+        return [] if self.adapter is None else [self.adapter] + ([self.adapter.head] if self.adapter.head is not None
+                                                                  else [])
+
+    def prepare(self, model) -> None:
+        DecoderStack.check(model)
+        n = model.config.get_text_config().num_hidden_layers
+        if self.exit_layer is None:
+            self.exit_layer = default_exit_layer(n)
+        if not isinstance(self.exit_layer, int) or not 1 <= self.exit_layer <= n - 1:
+            raise ValueError(f"exit_layer must be in 1..{n - 1} for this {n}-layer model (layers 0..E-1 draft, "
+                             f"E..{n - 1} only verify), got {self.exit_layer!r}.")
+        if self.adapter is not None and self.adapter.bound_to() is not model:
+            self.adapter.bind_target(model)
+        self.stack = DecoderStack(model)
+        # the adapter continues from hidden_states[E] of every committed token (verification returns them)
+        self.target_hidden_states = [self.exit_layer] if self.adapter is not None else None
+        early = sum(p.numel() for layer in self.stack.layers[:self.exit_layer] for p in layer.parameters())
+        total = sum(p.numel() for layer in self.stack.layers for p in layer.parameters())
+        self.early_share = early / max(total + self.stack.head.weight.numel(), 1)
+
+    def begin(self, state) -> None:
+        self.estimator = AcceptanceEstimator(prior_alpha=0.5, prior_weight=3.0, decay=0.9)
+        self.step_times = RecentMinimum(window=16)  # one drafting step: early layers + exit read-out
+        self.prior_cost = self.early_share + (0.05 if self.adapter is None else 0.1)
+        self.calibration = 1.0
+        self._predicted = None
+        self.fed = 0
+        if self.adapter is not None:
+            self.adapter_cache = DynamicCache()
+            self.adapter_dtype = self.adapter.norm.weight.dtype
+            self._feed_prompt(state)
+
+    def _feed_prompt(self, state) -> None:
+        """The adapter's keys/values of the prompt, from the prefill's exit hidden states."""
+        layout = state.layout
+        n = layout.length
+        causal = torch.ones(n, n, dtype=torch.bool, device=state.device).tril()
+        mask = build_attention_mask(self.adapter.config, layout.valid[:, :0], layout.positions[:, :0],
+                                    layout.positions, causal[None] & layout.valid[:, None, :], self.adapter_dtype)
+        self.adapter(state.hidden_states[self.exit_layer].to(self.adapter_dtype), layout.positions, mask,
+                     self.adapter_cache)
+
+    # ---- drafting
+    def _draft_cost(self, state) -> float:
+        step, seconds = state.cost_model.step_seconds(), self.step_times.value()
+        return seconds / step if seconds is not None and step else self.prior_cost
+
+    def _exit_logits(self, state, hidden, past_valid, past_pos, positions):
+        """Draft logits ``[B, V]`` (fp32, the target's vocabulary) of the exit hidden state ``hidden [B, 1, H]``."""
+        if self.adapter is None:
+            return self.stack.logits(hidden)[:, -1]
+        mask = build_attention_mask(self.adapter.config, past_valid, past_pos, positions,
+                                    torch.ones(state.batch_size, 1, 1, dtype=torch.bool, device=state.device),
+                                    self.adapter_dtype)
+        normed = self.adapter(hidden, positions, mask, self.adapter_cache)
+        sub = self.adapter.logits(normed)[:, -1]
+        if self.adapter.config.draft_vocab_size == self.adapter.config.vocab_size:
+            return sub
+        logits = sub.new_full((sub.shape[0], self.adapter.config.vocab_size), float("-inf"))
+        logits[:, self.adapter.token_map.to(sub.device)] = sub  # tokens outside the draft vocabulary are never drafted
+        return logits
+
+    def propose(self, state):
+        bsz = state.batch_size
+        budgets = [min(m, self.max_tokens) for m in state.max_drafts]
+        if self.num_tokens is None:
+            want = best_draft_length(self.estimator.alpha("all"), max(budgets),
+                                     _ResumedCost(state.cost_model, self.early_share),
+                                     draft_cost=self._draft_cost(state))
+        else:
+            want = max(budgets)
+        k = min(want, max(budgets))
+        if k <= 0:
+            return None
+        layout, cache, stack = state.layout, state.cache, self.stack
+        kv_width = cache.get_max_length() if cache_ops.is_static(cache) else None
+        roots = state.roots()
+        process = state.process_fn()
+        prefixes = [state.prefix(b) for b in range(bsz)] if process is not None else None
+        ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
+        drafts, probs, exits = [], [], []
+        current = roots
+        resumed = _ResumedCost(state.cost_model, self.early_share)
+        draft_cost = self._draft_cost(state)
+        alpha = self.estimator.alpha("all")
+        reach, predicted = 1.0, 0.0  # P(every draft so far accepted), calibrated; its sum over the drafts
+        for j in range(k):
+            if j > 0 and self.num_tokens is None:
+                # one more draft pays when the chance that it is reached and accepted covers its drafting step and
+                # the longer verification (Kangaroo's confidence exit, with the measured costs)
+                extra = draft_cost + resumed.relative(j + 2) - resumed.relative(j + 1)
+                if reach * alpha < extra:
+                    break
+            t0 = time.perf_counter()
+            # token j of the chain (the root, then drafts) at column layout.length + j, after the chain so far
+            past_valid = torch.cat([layout.valid, ones[:, :j]], 1)
+            past_pos = torch.cat([layout.positions, state.root_positions[:, None] + torch.arange(j, device=state.device)], 1)
+            pos = state.root_positions[:, None] + j
+            mask = build_attention_mask(stack.config, past_valid, past_pos, pos, ones[:, :1, None],
+                                        state.model.dtype, kv_width=kv_width)
+            hidden = stack.embed(current[:, None])
+            hidden = stack.run(hidden, 0, self.exit_layer, mask, stack.rotary(hidden, pos), pos, cache)
+            exits.append(hidden)
+            logits = self._exit_logits(state, hidden, past_valid, past_pos, pos)
+            current, p = next_draft(state, logits, prefixes, drafts, process)
+            if state.do_sample:
+                probs.append(p)
+            # the best row's confidence in its draft (calibrated): rows draft in lockstep
+            confidence = float(p.gather(1, current[:, None]).max())
+            reach *= min(1.0, confidence * self.calibration)
+            predicted += reach
+            drafts.append(current)
+            self.step_times.add(time.perf_counter() - t0)
+        k = len(drafts)
+        self._predicted = predicted if self.num_tokens is None else None
+        self.fed = k  # the root and drafts[:k-1] went through the early layers (and the adapter)
+        counts = torch.tensor(budgets, device=state.device).clamp(max=k)
+        tree = DraftTree.chain(roots, torch.stack(drafts, 1), counts, torch.stack(probs, 1) if probs else None)
+        tree.resume = Resume(layer=self.exit_layer, hidden=torch.cat(exits, 1))
+        return tree
+
+    # ---- after verification
+    def commit(self, state, tree, result) -> None:
+        fed, self.fed = self.fed, 0
+        if fed == 0:
+            if self.adapter is not None:
+                self._sync_adapter(state, tree, result, fed=0)
+            return
+        proposed = (tree.valid.sum(1) - 1).tolist()
+        for b, n_acc in enumerate(result.num_accepted):
+            if result.paths[b] and proposed[b] > 0:
+                self.estimator.update("all", proposed[b], n_acc)
+        if self._predicted:  # accepted drafts over the confidence-predicted ones (the best row's), running
+            best = max(result.num_accepted)
+            self.calibration = 0.9 * self.calibration + 0.1 * min(max(best / self._predicted, 0.2), 2.0)
+        self._predicted = None
+        if self.adapter is not None:
+            self._sync_adapter(state, tree, result, fed)
+
+    def _sync_adapter(self, state, tree, result, fed: int) -> None:
+        """Keep the adapter cache to the target layout: drop its rejected columns, and feed the exit states of kept
+        columns it has not seen (an all-accepted chain's last draft; every node of a plain step)."""
+        width = max(len(p) for p in result.paths)
+        past = state.layout.length - width  # columns before this step
+        cache_ops.crop(self.adapter_cache, past + min(fed, width))
+        seen = min(fed, width)
+        if seen < width and state.hidden_states is not None:
+            exits = state.hidden_states[self.exit_layer][:, seen:width]  # a chain: path node i is column past + i
+            layout = state.layout
+            n = width - seen
+            causal = torch.ones(n, n, dtype=torch.bool, device=state.device).tril()
+            mask = build_attention_mask(self.adapter.config, layout.valid[:, :past + seen],
+                                        layout.positions[:, :past + seen], layout.positions[:, past + seen:],
+                                        causal[None] & layout.valid[:, None, past + seen:], self.adapter_dtype)
+            self.adapter(exits.to(self.adapter_dtype), layout.positions[:, past + seen:], mask, self.adapter_cache)
+
+    def on_compact(self, state, index) -> None:
+        if self.adapter is not None:
+            cache_ops.gather_columns(self.adapter_cache, index)
+
+
+def load_adapter(source, target) -> ExitAdapter:
+    """An exit adapter folder (``save_pretrained``) for ``target``, on its device and dtype, bound to it."""
+    adapter = ExitAdapter.from_pretrained(source, dtype=target.dtype)
+    adapter.config.check_target(target.config)
+    return adapter.to(target.device).eval().bind_target(target)
+
+
+def _build(target, opts) -> LayerSkipProposer:
+    num = opts["num_speculative_tokens"]
+    if num is None and opts["draft_length_schedule"] == "constant":
+        num = CONSTANT_TOKENS
+    adapter = opts["drafter"]
+    if opts["exit"] == "plain":
+        adapter = None
+    elif opts["exit"] == "adapter" and adapter is None:
+        raise ValueError("exit='adapter' needs an exit adapter: pass drafter=<ExitAdapter or folder> "
+                         "(`hf-specdec train layerskip-adapter` trains one).")
+    return LayerSkipProposer(exit_layer=opts["exit_layer"], adapter=adapter, num_tokens=num)
+
+
+def _check(target, adapter) -> None:
+    adapter.config.check_target(target.config)
+
+
+def _shipped_applies(opts: dict) -> bool:
+    """Whether the adapter shipped for the target drafts when none is given: not with exit='plain', nor with an
+    exit_layer other than the one it was trained for (that asks for the plain exit at that layer)."""
+    if opts.get("exit") == "plain":
+        return False
+    if opts.get("exit_layer") is None:
+        return True
+    from ..registry import get, shipped_drafter
+
+    folder = shipped_drafter(get("layerskip"))
+    return folder is not None and json.loads((folder / "config.json").read_text()).get("exit_layer") == opts[
+        "exit_layer"]
+
+
+def _train(target, tokenizer, out, args, common):
+    from .. import training
+
+    return training.train_exit_adapter(target, tokenizer, out, exit_layer=args.exit_layer or 4,
+                                       draft_vocab=args.draft_vocab or 8192, mlp=not args.no_mlp,
+                                       layers=args.layers or 1, **common)
+
+
+def _train_recipe(target, tokenizer, out, args, common):
+    from .. import training
+
+    common = {k: v for k, v in common.items() if k not in ("features_dir", "init_from")}
+    return training.train_layerskip(target, tokenizer, out, max_dropout=args.max_dropout,
+                                    curriculum=args.curriculum, exit_every=args.exit_every, **common)
+
+
+METHOD = Method(
+    name="layerskip",
+    summary="the target's own first E layers + its head (LayerSkip self-speculation; the early layers' KV and "
+            "activations are reused by verification); an exit adapter (Kangaroo) for targets not trained for it",
+    description="LayerSkip self-speculation (Elhoushi et al., 2024): the target's first E layers, its final norm and "
+                "its LM head draft a chain; the early layers' keys/values go into the target's one cache and their "
+                "exit hidden states are handed to verification, which runs layers 0..E-1 only for the last draft "
+                "and layers E..N-1 for all (transformers' assistant_early_exit recomputes every layer, with a "
+                "second cache, at batch size 1). For a target not trained with the LayerSkip recipe an exit adapter "
+                "(drafter=, Kangaroo-style: a small module between layer E and the frozen head, trained with the "
+                "target frozen) makes the exit usable; the output is the target's either way (greedy identical, "
+                "exact speculative sampling). Published LayerSkip checkpoints (facebook/layerskip-llama2-7B, "
+                "-llama3-8B, -llama3.2-1B, ...) are plain transformers models: load them with from_pretrained and "
+                "pass exit_layer (4 or 8 in the authors' runs).",
+    build=_build,
+    options=(
+        Option("exit_layer", int, None, "E: layers 0..E-1 draft (default: the adapter's; without one, a quarter "
+               "of the layers)"),
+        Option("exit", str, None, "'adapter' (needs drafter=) or 'plain' (the target's own norm and head at layer E); "
+               "default: the adapter when there is one", choices=("adapter", "plain")),
+        Option("num_speculative_tokens", int, None,
+               f"fixed draft length (default: chosen per step from measured costs, up to {MAX_TOKENS}; "
+               f"{CONSTANT_TOKENS} with draft_length_schedule='constant')"),
+        SCHEDULE,
+    ),
+    drafter=DrafterSpec(
+        doc="an exit adapter",
+        hint="pass drafter=<ExitAdapter or folder> (optional: without one the plain early exit drafts)",
+        load=load_adapter,
+        accepts=ExitAdapter,
+        check=_check,
+        shipped={SMOLLM2: "smollm2-135m-instruct-layerskip"},
+        required=False,
+        default_when=_shipped_applies,
+        train=_train,
+        train_name="layerskip-adapter",
+        more_training={"layerskip": ("the target itself, with the LayerSkip recipe (layer dropout + early-exit "
+                                     "loss; for GPUs)", _train_recipe)},
+        example="exit_layer=4)                          # or drafter=\"path/to/exit-adapter\"",
+    ),
+    shorthands={
+        "layerskip": Shorthand("E", lambda arg: {"exit_layer": int(arg), "exit": "plain"} if arg else {}),
+    },
+)
