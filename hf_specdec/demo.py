@@ -98,9 +98,11 @@ def available_demo_methods(model, drafters: dict | None = None, only: list[str] 
         if m.drafter is None:
             methods[m.name] = {}
             continue
-        source = given.get(m.drafter_flag) or registry.shipped_drafter(m, MODEL_ID)
+        source = given.get(m.drafter_flag) or registry.shipped_drafter(m, model)
         if source is not None:
             methods[m.name] = {"drafter": registry.load_drafter(m, source, model)}
+        elif not m.drafter.required:  # runs without one (LayerSkip: the plain early exit)
+            methods[m.name] = {}
     return methods
 
 

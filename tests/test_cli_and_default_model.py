@@ -102,7 +102,7 @@ def test_help_shows_choices_and_defaults(capsys, monkeypatch):
                      "(default: float32)", "(default: 128)"],
         "train": ["(default: 1500)", "(default: 384)", "(default: 8192)", "(default: 16)", "(default: 2.0)",
                   "(default: 0.0003)", "(default: 2)", "(default: 4)", "(default: 100)", "(default: 0)",
-                  "(default: as many as --epochs takes)", "(default: draft 4, dflash 3)"],
+                  "(default: as many as --epochs takes)", "(default: draft 4, dflash 3, layerskip-adapter 1)"],
         "regenerate": [f"--dtype {dtypes}", "(default: bfloat16)", "(default: 500)", "(default: 300)",
                        "(default: 160)", "(default: 64)"],
         "convert": [f"--dtype {dtypes}", "(default: as published)", "(default: auto)"],

@@ -57,7 +57,8 @@ def test_train_exit_adapter_learns_and_decodes(tmp_path, tok, conversations):  #
     log = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
     assert log[-1]["kl"] < 0.5 * log[0]["kl"] and log[-1]["acc"] > log[0]["acc"]
     folder = tmp_path / "a" / "final"
-    assert json.loads((folder / "config.json").read_text())["exit_layer"] == 2
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["exit_layer"] == 2 and saved["dtype"] == "float16"  # what the file holds
     assert (folder / "model.safetensors").stat().st_size < 64_000  # the target's head is not stored
     ids, mask = prompts(3, length=12)
     kw = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
@@ -123,3 +124,22 @@ def test_train_layerskip_recipe_writes_a_plain_model(tmp_path, tok, conversation
     out = loaded.generate(input_ids=ids, attention_mask=mask, **kw,
                           custom_generate=hf_specdec.decoding_method("layerskip"), exit_layer=2)
     assert torch.equal(out, ref)
+
+
+def test_cli_train_layerskip_wiring(monkeypatch, tmp_path):
+    """`hf-specdec train layerskip-adapter` and `train layerskip` reach their trainers with the options given."""
+    from hf_specdec import cli
+
+    seen = {}
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(training, "train_exit_adapter", lambda *a, **k: (seen.setdefault("adapter", k), {})[::-1])
+    monkeypatch.setattr(training, "train_layerskip", lambda *a, **k: (seen.setdefault("recipe", k), {})[::-1])
+    assert cli.main(["train", "layerskip-adapter", "--out", str(tmp_path / "a"), "--exit-layer", "3", "--no-mlp",
+                     "--layers", "2", "--draft-vocab", "512"]) == 0
+    adapter = seen["adapter"]
+    assert (adapter["exit_layer"], adapter["mlp"], adapter["layers"], adapter["draft_vocab"]) == (3, False, 2, 512)
+    assert cli.main(["train", "layerskip", "--out", str(tmp_path / "r"), "--max-dropout", "0.2",
+                     "--curriculum", "gradual", "--exit-every", "4"]) == 0
+    recipe = seen["recipe"]
+    assert (recipe["max_dropout"], recipe["curriculum"], recipe["exit_every"]) == (0.2, "gradual", 4)
+    assert "features_dir" not in recipe and "init_from" not in recipe

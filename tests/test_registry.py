@@ -164,7 +164,7 @@ def test_shipped_folders_and_readme_are_rendered_from_the_records():
 def test_shipped_drafters_are_found_by_target_id():
     from hf_specdec.default_model import MODEL_ID
 
-    for name in ("eagle3", "dflash", "assisted", "medusa"):
+    for name in ("eagle3", "dflash", "assisted", "medusa", "layerskip"):
         folder = registry.shipped_drafter(name, MODEL_ID)
         assert folder is None or (folder / "config.json").is_file()
     assert registry.shipped_drafter("prompt_lookup", MODEL_ID) is None

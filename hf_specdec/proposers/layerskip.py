@@ -71,7 +71,7 @@ class LayerSkipProposer(Proposer):
     name = "layerskip"
 
     def __init__(self, exit_layer: int | None = None, adapter: ExitAdapter | None = None,
-                 num_tokens: int | None = None, max_tokens: int = MAX_TOKENS):
+                 num_tokens: int | None = None, max_tokens: int = MAX_TOKENS, confidence: float | None = None):
         if num_tokens is not None and num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}.")
         if adapter is not None and exit_layer is not None and exit_layer != adapter.config.exit_layer:
@@ -83,6 +83,9 @@ class LayerSkipProposer(Proposer):
         self.num_tokens = num_tokens
         self.max_tokens = num_tokens if num_tokens is not None else max_tokens
         self.max_nodes = self.max_tokens + 1
+        if confidence is not None and not 0.0 <= confidence <= 1.0:
+            raise ValueError(f"confidence must be in [0, 1], got {confidence!r}.")
+        self.confidence = confidence
 
     def draft_modules(self) -> list:
         # the adapter and its read-out (the target head's rows, kept outside the module tree); the early layers and
@@ -175,11 +178,15 @@ class LayerSkipProposer(Proposer):
         reach, predicted = 1.0, 0.0  # P(every draft so far accepted), calibrated; its sum over the drafts
         for j in range(k):
             if j > 0 and self.num_tokens is None:
-                # one more draft pays when the chance that it is reached and accepted covers its drafting step and
-                # the longer verification (Kangaroo's confidence exit, with the measured costs)
-                extra = draft_cost + resumed.relative(j + 2) - resumed.relative(j + 1)
-                if reach * alpha < extra:
-                    break
+                if self.confidence is not None:  # Kangaroo's second exit: the last draft was not confident enough
+                    if last < self.confidence:
+                        break
+                else:
+                    # one more draft pays when the chance that it is reached and accepted covers its drafting step
+                    # and the longer verification (the measured costs)
+                    extra = draft_cost + resumed.relative(j + 2) - resumed.relative(j + 1)
+                    if reach * alpha < extra:
+                        break
             t0 = time.perf_counter()
             # token j of the chain (the root, then drafts) at column layout.length + j, after the chain so far
             past_valid = torch.cat([layout.valid, ones[:, :j]], 1)
@@ -195,8 +202,8 @@ class LayerSkipProposer(Proposer):
             if state.do_sample:
                 probs.append(p)
             # the best row's confidence in its draft (calibrated): rows draft in lockstep
-            confidence = float(p.gather(1, current[:, None]).max())
-            reach *= min(1.0, confidence * self.calibration)
+            last = float(p.gather(1, current[:, None]).max())
+            reach *= min(1.0, last * self.calibration)
             predicted += reach
             drafts.append(current)
             self.step_times.add(time.perf_counter() - t0)
@@ -265,7 +272,8 @@ def _build(target, opts) -> LayerSkipProposer:
     elif opts["exit"] == "adapter" and adapter is None:
         raise ValueError("exit='adapter' needs an exit adapter: pass drafter=<ExitAdapter or folder> "
                          "(`hf-specdec train layerskip-adapter` trains one).")
-    return LayerSkipProposer(exit_layer=opts["exit_layer"], adapter=adapter, num_tokens=num)
+    return LayerSkipProposer(exit_layer=opts["exit_layer"], adapter=adapter, num_tokens=num,
+                             confidence=opts["confidence"])
 
 
 def _check(target, adapter) -> None:
@@ -322,6 +330,8 @@ METHOD = Method(
                "of the layers)"),
         Option("exit", str, None, "'adapter' (needs drafter=) or 'plain' (the target's own norm and head at layer E); "
                "default: the adapter when there is one", choices=("adapter", "plain")),
+        Option("confidence", float, None, "stop drafting after a draft whose probability is below this (Kangaroo's "
+               "second exit; default: stop where one more draft no longer pays for its measured cost)"),
         Option("num_speculative_tokens", int, None,
                f"fixed draft length (default: chosen per step from measured costs, up to {MAX_TOKENS}; "
                f"{CONSTANT_TOKENS} with draft_length_schedule='constant')"),

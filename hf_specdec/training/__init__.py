@@ -65,12 +65,13 @@ def _half_copy(save_dtype):
     """A ``save_model`` for :func:`.trainer.train` that writes a ``save_dtype`` copy (integer buffers such as a
     ``token_map`` unchanged; the config says what the file holds); the weights being trained stay fp32."""
     def save(m, folder):
-        trained, m.config.dtype = m.config.dtype, save_dtype
-        try:
-            m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
-                                                  for k, v in m.state_dict().items()})
-        finally:
-            m.config.dtype = trained
+        m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
+                                              for k, v in m.state_dict().items()})
+        # save_pretrained writes the dtype of the weights in memory (fp32 while training)
+        path = Path(folder) / "config.json"
+        config = json.loads(path.read_text())
+        config["dtype"] = str(save_dtype).removeprefix("torch.")
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return save
 
 
