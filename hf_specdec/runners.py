@@ -136,8 +136,8 @@ class TargetSession:
         with self.forward_context(tree.num_nodes):
             hidden = stack.embed(tree.tokens[:, done:])
             if hidden.shape[1]:
-                late = positions[:, done:]
-                hidden = stack.run(hidden, 0, exit_layer, rows(mask, done), stack.rotary(hidden, late), late,
+                rest = positions[:, done:]
+                hidden = stack.run(hidden, 0, exit_layer, rows(mask, done), stack.rotary(hidden, rest), rest,
                                    self.cache)
             hidden = torch.cat([tree.resume.hidden.to(hidden.dtype), hidden], dim=1)
             captured = {exit_layer: hidden}

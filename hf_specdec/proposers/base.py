@@ -77,18 +77,19 @@ class BackOff:
         self.skip = self.length
 
 
-def next_draft(state, logits: torch.Tensor, prefixes, drafts: list, process):
+def next_draft(state, logits: torch.Tensor, prefixes, drafts: list, process, want_probs: bool = False):
     """One more draft per row of a chain from the drafter's ``logits [B, V]`` (fp32, the target's vocabulary): the
     call's logits processors applied with each row's own prefix and its drafts so far (``process``:
     :meth:`DecodingState.process_fn`, ``None`` without processors; ``prefixes``: each row's committed ids), then
-    sampled when the call samples, else the argmax. Returns ``(tokens [B], probs [B, V])``: ``probs`` is the
-    distribution the drafts come from (the exact sampling rule needs it), the softmax of the processed logits."""
+    sampled when the call samples, else the argmax. Returns ``(tokens [B], probs [B, V] or None)``: ``probs`` is the
+    distribution the drafts come from (the softmax of the processed logits; the exact sampling rule needs it), given
+    when the call samples or ``want_probs``."""
     if process is not None:
         logits = torch.cat([
             process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])
             for b in range(logits.shape[0])
         ])
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(logits, dim=-1) if state.do_sample or want_probs else None
     tokens = torch.multinomial(probs, 1)[:, 0] if state.do_sample else logits.argmax(-1)
     return tokens, probs
 

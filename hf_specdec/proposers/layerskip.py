@@ -79,7 +79,6 @@ class LayerSkipProposer(Proposer):
                              f"{exit_layer}. Drop exit_layer, or pass exit='plain' to draft without the adapter.")
         self.exit_layer = adapter.config.exit_layer if adapter is not None else exit_layer
         self.adapter = adapter
-        self.drafter = adapter
         self.num_tokens = num_tokens
         self.max_tokens = num_tokens if num_tokens is not None else max_tokens
         self.max_nodes = self.max_tokens + 1
@@ -124,13 +123,18 @@ class LayerSkipProposer(Proposer):
 
     def _feed_prompt(self, state) -> None:
         """The adapter's keys/values of the prompt, from the prefill's exit hidden states."""
+        self._feed_adapter(state, state.hidden_states[self.exit_layer], 0)
+
+    def _feed_adapter(self, state, exits, start: int) -> None:
+        """Feed the adapter the exit states ``exits [B, n, H]`` of the layout's last ``n`` columns (from ``start``):
+        each sees the columns before it that are real for its row, and itself."""
         layout = state.layout
-        n = layout.length
+        n = layout.length - start
         causal = torch.ones(n, n, dtype=torch.bool, device=state.device).tril()
-        mask = build_attention_mask(self.adapter.config, layout.valid[:, :0], layout.positions[:, :0],
-                                    layout.positions, causal[None] & layout.valid[:, None, :], self.adapter_dtype)
-        self.adapter(state.hidden_states[self.exit_layer].to(self.adapter_dtype), layout.positions, mask,
-                     self.adapter_cache)
+        mask = build_attention_mask(self.adapter.config, layout.valid[:, :start], layout.positions[:, :start],
+                                    layout.positions[:, start:], causal[None] & layout.valid[:, None, start:],
+                                    self.adapter_dtype)
+        self.adapter(exits.to(self.adapter_dtype), layout.positions[:, start:], mask, self.adapter_cache)
 
     # ---- drafting
     def _draft_cost(self, state) -> float:
@@ -155,10 +159,11 @@ class LayerSkipProposer(Proposer):
     def propose(self, state):
         bsz = state.batch_size
         budgets = [min(m, self.max_tokens) for m in state.max_drafts]
+        resumed = _ResumedCost(state.cost_model, self.early_share)
+        draft_cost = self._draft_cost(state)
+        alpha = self.estimator.alpha("all")
         if self.num_tokens is None:
-            want = best_draft_length(self.estimator.alpha("all"), max(budgets),
-                                     _ResumedCost(state.cost_model, self.early_share),
-                                     draft_cost=self._draft_cost(state))
+            want = best_draft_length(alpha, max(budgets), resumed, draft_cost=draft_cost)
         else:
             want = max(budgets)
         k = min(want, max(budgets))
@@ -172,9 +177,6 @@ class LayerSkipProposer(Proposer):
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs, exits = [], [], []
         current = roots
-        resumed = _ResumedCost(state.cost_model, self.early_share)
-        draft_cost = self._draft_cost(state)
-        alpha = self.estimator.alpha("all")
         reach, predicted = 1.0, 0.0  # P(every draft so far accepted), calibrated; its sum over the drafts
         for j in range(k):
             if j > 0 and self.num_tokens is None:
@@ -198,7 +200,7 @@ class LayerSkipProposer(Proposer):
             hidden = stack.run(hidden, 0, self.exit_layer, mask, stack.rotary(hidden, pos), pos, cache)
             exits.append(hidden)
             logits = self._exit_logits(state, hidden, past_valid, past_pos, pos)
-            current, p = next_draft(state, logits, prefixes, drafts, process)
+            current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
             if state.do_sample:
                 probs.append(p)
             # the best row's confidence in its draft (calibrated): rows draft in lockstep
@@ -220,7 +222,7 @@ class LayerSkipProposer(Proposer):
         fed, self.fed = self.fed, 0
         if fed == 0:
             if self.adapter is not None:
-                self._sync_adapter(state, tree, result, fed=0)
+                self._sync_adapter(state, result, fed=0)
             return
         proposed = (tree.valid.sum(1) - 1).tolist()
         for b, n_acc in enumerate(result.num_accepted):
@@ -231,24 +233,17 @@ class LayerSkipProposer(Proposer):
             self.calibration = 0.9 * self.calibration + 0.1 * min(max(best / self._predicted, 0.2), 2.0)
         self._predicted = None
         if self.adapter is not None:
-            self._sync_adapter(state, tree, result, fed)
+            self._sync_adapter(state, result, fed)
 
-    def _sync_adapter(self, state, tree, result, fed: int) -> None:
+    def _sync_adapter(self, state, result, fed: int) -> None:
         """Keep the adapter cache to the target layout: drop its rejected columns, and feed the exit states of kept
-        columns it has not seen (an all-accepted chain's last draft; every node of a plain step)."""
+        columns it has not seen (an all-accepted chain's last draft; the node of a plain step)."""
         width = max(len(p) for p in result.paths)
         past = state.layout.length - width  # columns before this step
-        cache_ops.crop(self.adapter_cache, past + min(fed, width))
         seen = min(fed, width)
-        if seen < width and state.hidden_states is not None:
-            exits = state.hidden_states[self.exit_layer][:, seen:width]  # a chain: path node i is column past + i
-            layout = state.layout
-            n = width - seen
-            causal = torch.ones(n, n, dtype=torch.bool, device=state.device).tril()
-            mask = build_attention_mask(self.adapter.config, layout.valid[:, :past + seen],
-                                        layout.positions[:, :past + seen], layout.positions[:, past + seen:],
-                                        causal[None] & layout.valid[:, None, past + seen:], self.adapter_dtype)
-            self.adapter(exits.to(self.adapter_dtype), layout.positions[:, past + seen:], mask, self.adapter_cache)
+        cache_ops.crop(self.adapter_cache, past + seen)
+        if seen < width:  # a chain: path node i is column past + i
+            self._feed_adapter(state, state.hidden_states[self.exit_layer][:, seen:width], past + seen)
 
     def on_compact(self, state, index) -> None:
         if self.adapter is not None:
@@ -258,8 +253,7 @@ class LayerSkipProposer(Proposer):
 def load_adapter(source, target) -> ExitAdapter:
     """An exit adapter folder (``save_pretrained``) for ``target``, on its device and dtype, bound to it."""
     adapter = ExitAdapter.from_pretrained(source, dtype=target.dtype)
-    adapter.config.check_target(target.config)
-    return adapter.to(target.device).eval().bind_target(target)
+    return adapter.to(target.device).eval().bind_target(target)  # bind_target checks the fit
 
 
 def _build(target, opts) -> LayerSkipProposer:
