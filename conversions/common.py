@@ -60,17 +60,22 @@ def read_config(folder: Path) -> dict:
 def check_weight_files(folder: Path) -> None:
     """Raise a clear error for a ``*.safetensors`` file in ``folder`` that is cut short or corrupt (its header does not
     describe the file: an interrupted download or copy), naming the file. Reads headers only."""
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        check_weight_file(f)
+
+
+def check_weight_file(path: Path) -> None:
+    """:func:`check_weight_files` for one ``*.safetensors`` file."""
     from safetensors import SafetensorError, safe_open
 
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                handle.keys()
-        except (SafetensorError, OSError, ValueError) as err:
-            raise ConversionError(
-                f"{f} is incomplete or corrupt ({f.stat().st_size:,} bytes; safetensors says: {err}). It was "
-                "probably cut off while downloading or copying: download it again (for a Hub repo, "
-                "`huggingface-cli download <repo> --force-download`, or delete it from the Hub cache).") from err
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            handle.keys()
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ConversionError(
+            f"{path} is incomplete or corrupt ({path.stat().st_size:,} bytes; safetensors says: {err}). It was "
+            "probably cut off while downloading or copying: download it again (for a Hub repo, "
+            "`huggingface-cli download <repo> --force-download`, or delete it from the Hub cache).") from err
 
 
 def weight_shapes(folder: Path) -> dict[str, tuple]:

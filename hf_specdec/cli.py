@@ -367,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=None,
                    help="decoder layers (default: draft 4, dflash 3, layerskip-adapter 1); medusa: residual blocks "
                         "per head (default 1)")
-    p.add_argument("--heads", type=int, default=3, help="medusa: heads (drafts along one path)")
+    p.add_argument("--heads", type=int, default=3, help="medusa, mtp-parallel: heads (drafts along one path)")
+    p.add_argument("--depths", type=int, default=3, help="mtp: chain depths the module is trained at")
     p.add_argument("--exit-layer", type=int, default=4, help="layerskip-adapter: the exit layer E it reads")
     p.add_argument("--no-mlp", action="store_true",
                    help="layerskip-adapter: attention only (Kangaroo's adapter; default: attention + MLP)")

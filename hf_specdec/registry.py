@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash", "medusa", "layerskip")  # hf_specdec.proposers modules with a METHOD
+BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
 

@@ -7,6 +7,8 @@ from .dflash import DFlashConfig, DFlashDrafter
 from .eagle3 import Eagle3Config, Eagle3Drafter
 from .layerskip import ExitAdapter, ExitAdapterConfig
 from .medusa import MedusaConfig, MedusaHeads
+from .mtp import MTPConfig, MTPModule, ParallelMTPConfig, ParallelMTPHeads
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "Eagle3Config", "Eagle3Drafter", "ExitAdapter", "ExitAdapterConfig",
-           "MedusaConfig", "MedusaHeads"]
+           "MedusaConfig", "MedusaHeads", "MTPConfig", "MTPModule", "ParallelMTPConfig",
+           "ParallelMTPHeads"]

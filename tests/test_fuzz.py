@@ -236,11 +236,37 @@ def build_exit_adapter(target_spec: TargetSpec, exit_layer: int, draft_vocab: in
     return _DRAFTERS[key]
 
 
+def build_mtp(target_spec: TargetSpec, draft_vocab: int, parallel: int, seed: int = 0):
+    """An MTP module (``parallel=0``) or ``parallel`` parallel heads for the target of ``spec``: its own family's
+    decoder layer(s), random weights, over a random draft vocabulary of ``draft_vocab`` tokens."""
+    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, ParallelMTPConfig, ParallelMTPHeads, block_config_for
+
+    key = ("mtp", target_spec, draft_vocab, parallel, seed)
+    if key not in _DRAFTERS:
+        target = build_target(target_spec)
+        text = target.config.get_text_config()
+        common = dict(vocab_size=target_spec.vocab, draft_vocab_size=draft_vocab,
+                      num_target_layers=target_spec.layers)
+        torch.manual_seed(seed)
+        if parallel:
+            model = ParallelMTPHeads(ParallelMTPConfig(block_config=block_config_for(text, parallel),
+                                                       num_modules=parallel, **common))
+        else:
+            model = MTPModule(MTPConfig(block_config=block_config_for(text, 1), **common))
+        g = torch.Generator().manual_seed(seed)
+        used = torch.arange(target_spec.vocab) if draft_vocab == target_spec.vocab else \
+            torch.randperm(target_spec.vocab, generator=g)[:draft_vocab].sort().values
+        model.set_draft_vocabulary(used)
+        _DRAFTERS[key] = model.eval()
+    return _DRAFTERS[key]
+
+
 # ------------------------------------------------------------------------------------------------ strategies
 # what each test case runs: every built-in method, EAGLE-3 with its two draft shapes
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
             "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa",
-            "layerskip": "layerskip"}
+            "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp", "mtp_parallel": "mtp"}
+DRIVABLE_ONLY = ("layerskip", "mtp_chain", "mtp_tree", "mtp_parallel")  # need a decoder-layer family (not GPT-2)
 
 
 @st.composite
@@ -352,6 +378,17 @@ def method_options(draw, variant: str, spec: TargetSpec):
                                                  mlp=draw(st.booleans()), seed=draw(st.integers(0, 2)))
         else:
             opts["exit_layer"] = exit_layer
+    elif variant in ("mtp_chain", "mtp_tree", "mtp_parallel"):
+        draft_vocab = draw(st.sampled_from([spec.vocab, spec.vocab // 2]))
+        parallel = draw(st.integers(1, 3)) if variant == "mtp_parallel" else 0
+        opts["drafter"] = build_mtp(spec, draft_vocab, parallel, seed=draw(st.integers(0, 2)))
+        if variant == "mtp_chain":
+            opts["num_speculative_tokens"] = draw(st.sampled_from([None, 1, 2, 5]))
+        elif variant == "mtp_parallel":
+            opts["num_speculative_tokens"] = draw(st.sampled_from([None] + list(range(1, parallel + 1))))
+        else:
+            opts.update(tree_top_k=draw(st.integers(1, 3)), tree_depth=draw(st.integers(1, 3)),
+                        tree_total_tokens=draw(st.sampled_from([None, 2, 4, 7])))
     else:
         raise ValueError(variant)
     return {k: v for k, v in opts.items() if v is not None}
@@ -369,7 +406,7 @@ def scenarios(draw, variant: str):
     max_new = draw(st.integers(1, MAX_NEW))
     slack = draw(st.sampled_from([None] * 6 + [0, 1, -1]))
     window = WIDE_WINDOW if slack is None else int(mask.sum(1).max()) + max_new + slack
-    spec = draw(target_specs(vocab, window, drivable=variant == "layerskip"))
+    spec = draw(target_specs(vocab, window, drivable=variant in DRIVABLE_ONLY))
     return dict(spec=spec, ids=ids, mask=mask, max_new=max_new,
                 eos=draw(st.sampled_from(["none", "likely", "list"])), eos_pick=draw(st.integers(0, 10 ** 6)),
                 pad=draw(st.sampled_from([None, EOS])),  # None: the config's pad id (0); EOS: GPT-2's habit

@@ -172,8 +172,25 @@ def _exit_adapter(model):
     return adapter.eval()
 
 
+def _mtp_module(model, parallel=False):
+    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, ParallelMTPConfig, ParallelMTPHeads, block_config_for
+
+    torch.manual_seed(8)
+    if parallel:  # two heads over 4 of the 6 tokens: q is zero on the other two
+        heads = ParallelMTPHeads(ParallelMTPConfig(block_config=block_config_for(model.config, 2), num_modules=2,
+                                                   vocab_size=V, draft_vocab_size=4))
+        heads.set_draft_vocabulary(torch.tensor([0, 2, 3, 5]))
+        return heads.init_from_target(model).eval()
+    module = MTPModule(MTPConfig(block_config=block_config_for(model.config, 1), vocab_size=V))
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.5) if p.dim() > 1 else None
+    return module.eval()
+
+
 @pytest.mark.parametrize("method", ["assisted", "assisted_draft_vocab", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
-                                    "eagle3_chain", "dflash", "medusa", "layerskip", "layerskip_adapter"])
+                                    "eagle3_chain", "dflash", "medusa", "layerskip", "layerskip_adapter", "mtp_chain",
+                                    "mtp_parallel"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
@@ -201,6 +218,12 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
         custom = hf_specdec.decoding_method("layerskip", exit_layer=1, num_speculative_tokens=2)
     elif method == "layerskip_adapter":  # through an adapter over 4 of the 6 tokens: q is zero on the other two
         custom = hf_specdec.decoding_method("layerskip", drafter=_exit_adapter(model), num_speculative_tokens=2)
+    elif method == "mtp_chain":  # the module applied again: drafts sampled from its distributions
+        custom = hf_specdec.decoding_method("mtp", drafter=_mtp_module(model), num_speculative_tokens=2,
+                                            draft_length_schedule="constant")
+    elif method == "mtp_parallel":
+        custom = hf_specdec.decoding_method("mtp", drafter=_mtp_module(model, parallel=True),
+                                            draft_length_schedule="constant")
     elif method == "eagle3_chain":
         custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
     else:

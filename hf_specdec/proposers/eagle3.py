@@ -53,7 +53,9 @@ class Eagle3Proposer(FeatureDrafterProposer):
             measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
             When even the best tree cannot pay for the drafting itself (measured time of a proposal, in units of a
             one-token target step), the tree is not drafted for the next 1, 2, 4 .. 16 steps; the
-            drafter catches up on the skipped context at the next proposal.
+            drafter catches up on the skipped context at the next proposal. A chain is cut the same way: drafting
+            stops once no row's next draft could add 2 % to its expected acceptance, and each row verifies the
+            drafts that pay for their verification.
     """
 
     name = "eagle3"
@@ -101,8 +103,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
         attends |= torch.eye(n, dtype=torch.bool, device=valid.device)[None]  # holes still see themselves
         mask = self._mask(state, layout.valid[:, :start], layout.positions[:, :start], layout.positions[:, start:end],
                           attends)
-        logits, hidden = self.drafter(next_tok.to(self.device), self.features[:, start:end],
-                                      layout.positions[:, start:end].to(self.device), mask, self.cache)
+        logits, hidden = self._draft_forward(next_tok.to(self.device), self.features[:, start:end],
+                                             layout.positions[:, start:end].to(self.device), mask, step=0)
         self.synced = end
         # the root row of a row is its last real column
         idx = (layout.last_real() - start).clamp(min=0).to(self.device)
@@ -111,7 +113,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return root_logits, root_hidden
 
     def propose(self, state):
-        backs_off = self.adaptive and not self.chain
+        backs_off = self.adaptive
         if backs_off and self.backoff.skipping():
             return None
         start = time.perf_counter()
@@ -136,7 +138,12 @@ class Eagle3Proposer(FeatureDrafterProposer):
         """Back off when the best tree does not pay for its verification and drafting (:meth:`BackOff.judge`)."""
         self.backoff.judge(state, seconds, *(self._worth or (None, None)))
 
-    def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos):
+    def _draft_forward(self, tokens, hidden, positions, mask, step: int):
+        """One drafter forward over rows ``tokens [B, k]`` (``step``: 0 for context rows, ``d`` for the rows that
+        draft depth ``d + 1``); returns ``(logits, hidden)``. A drafter with one module per depth (MTP) picks it."""
+        return self.drafter(tokens, hidden, positions, mask, self.cache)
+
+    def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos, step: int = 1):
         """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.
 
         ``rows_visible`` is ``[B, k, R]``: which of the ``R`` earlier tree rows each new row may see (its ancestors);
@@ -149,20 +156,21 @@ class Eagle3Proposer(FeatureDrafterProposer):
         past_pos = torch.cat([layout.positions, rows_pos], dim=1)
         own = torch.eye(k, dtype=torch.bool, device=self.device).expand(bsz, k, k)
         mask = self._mask(state, past_valid, past_pos, positions, own)
-        return self.drafter(tokens.to(self.device), hidden, positions.to(self.device), mask, self.cache)
+        return self._draft_forward(tokens.to(self.device), hidden, positions.to(self.device), mask, step)
 
     def _chain(self, state, logits, hidden):
         bsz = state.batch_size
         k = min(self.chain, max(state.max_drafts))
         if k <= 0:
             return None
-        drafts, probs = [], []
+        drafts, probs, reaches = [], [], []
+        reach = torch.ones(bsz, device=self.device)  # drafter probability that every draft so far is accepted
         rows_valid = torch.zeros(bsz, 0, dtype=torch.bool, device=state.device)
         rows_pos = torch.zeros(bsz, 0, dtype=torch.long, device=state.device)
         for i in range(k):
             scores = logits.float()
+            p = torch.softmax(scores, dim=-1) if state.do_sample or self.adaptive else None
             if state.do_sample:
-                p = torch.softmax(scores, dim=-1)
                 pick = torch.multinomial(p, 1)[:, 0]
                 full = torch.zeros(bsz, state.model.config.get_text_config().vocab_size, device=self.device)
                 full.index_add_(1, self.drafter.draft_to_target(torch.arange(p.shape[-1], device=self.device)), p)
@@ -171,16 +179,33 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 pick = scores.argmax(-1)
             token = self.drafter.draft_to_target(pick)
             drafts.append(token.to(state.device))
+            if self.adaptive:
+                reach = reach * p.gather(1, pick[:, None])[:, 0]
+                reaches.append(reach)
             if i == k - 1:
                 break
+            if self.adaptive and float(reach.max()) * self.calibration < 0.02:
+                break  # no row's next draft could add 2 % to its expected acceptance: save the drafter forward
             pos = (state.root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
-            logits, hidden = self._step(state, token[:, None], hidden[:, None], pos, rows_valid[:, None, :], rows_pos)
+            logits, hidden = self._step(state, token[:, None], hidden[:, None], pos, rows_valid[:, None, :], rows_pos,
+                                        step=i + 1)
             logits, hidden = logits[:, 0], hidden[:, 0]
             rows_valid = torch.cat([rows_valid, torch.ones(bsz, 1, dtype=torch.bool, device=state.device)], 1)
             rows_pos = torch.cat([rows_pos, pos], 1)
-        counts = torch.tensor([min(m, k) for m in state.max_drafts], device=state.device)
+        counts = [min(m, len(drafts)) for m in state.max_drafts]
+        if self.adaptive:  # verify only the drafts that pay for their verification (the measured costs)
+            reach_rows = torch.stack(reaches, dim=1).cpu()  # [B, n]
+            counts = [min(c, self._tree_size(state, reach_rows[b, :c])) if c else 0 for b, c in enumerate(counts)]
+            self._predicted = [float(reach_rows[b, :c].sum()) for b, c in enumerate(counts)]
+            for b, c in enumerate(counts):
+                if c:
+                    self._note_worth(state, self._predicted[b], c)
+            if not any(counts):
+                self._predicted = None
+                return None
         draft_probs = torch.stack(probs, dim=1) if probs else None
-        return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1), counts, draft_probs)
+        return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1),
+                               torch.tensor(counts, device=state.device), draft_probs)
 
     def _tree(self, state, logits, hidden):
         """EAGLE-2 dynamic tree, expanded for every row of the batch at once."""
@@ -207,7 +232,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
             # feed the frontier: row (parent output, node token) at the position of the node's parent
             pos = (state.root_positions + d - 1)[:, None].expand(-1, top_k)
             tokens = self.drafter.draft_to_target(frontier_tok)
-            step_logits, step_hidden = self._step(state, tokens, frontier_hidden, pos, frontier_row_anc, rows_pos)
+            step_logits, step_hidden = self._step(state, tokens, frontier_hidden, pos, frontier_row_anc, rows_pos,
+                                                  step=d)
             # ancestors-or-self of each row just fed, among all rows fed so far
             row_anc = torch.cat([frontier_row_anc, torch.eye(top_k, dtype=torch.bool, device=dev).expand(bsz, -1, -1)],
                                 dim=2)

@@ -1,4 +1,4 @@
-"""The shared base of proposers whose drafter reads the target's hidden states (EAGLE-3, DFlash; Medusa and MTP next).
+"""The shared base of proposers whose drafter reads the target's hidden states (EAGLE-3, DFlash, Medusa, MTP).
 
 What every such proposer does the same way, written once here:
 

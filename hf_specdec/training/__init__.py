@@ -230,6 +230,84 @@ def train_medusa(target, tokenizer, out_dir, heads: int = 3, layers: int = 1, dr
     return MedusaHeads.from_pretrained(out / "final"), metrics
 
 
+def _train_posthoc(model_cls, build, target, draft_vocab, shards, data, out, loss, config, init_from, save_dtype,
+                   progress):
+    """What the post-hoc MTP trainers share: ``model_cls(build(size))`` started from ``target`` over the
+    ``draft_vocab`` most frequent training tokens (or ``init_from``'s weights), trained with ``loss(model, in_draft,
+    batch)`` on ``data`` and saved in ``save_dtype``; returns the saved model (bound to ``target``) and the metrics."""
+    from .eagle3 import draft_vocabulary
+
+    vocab = target.config.get_text_config().vocab_size
+    if init_from is not None:
+        model = model_cls.from_pretrained(init_from, dtype=torch.float32).bind_target(target)
+    else:
+        size = min(draft_vocab, vocab)
+        d2t, _ = draft_vocabulary(shards.token_counts(vocab), size)
+        model = model_cls(build(size)).init_from_target(target, torch.arange(size) + d2t)
+    in_draft = torch.zeros(vocab, dtype=torch.bool)
+    in_draft[model.token_map.cpu()] = True
+    model.head.float()
+    model.train()
+    metrics = train(model, lambda m, b: loss(m, in_draft, b), data, out, config or TrainConfig(),
+                    save_model=_half_copy(save_dtype), progress=progress)
+    return model_cls.from_pretrained(out / "final").bind_target(target), metrics
+
+
+def train_mtp(target, tokenizer, out_dir, depths: int = 3, draft_vocab: int = 8192, samples: int = 1500,
+              max_length: int = 384, config: TrainConfig | None = None, features_dir=None, seed: int = 0,
+              save_dtype=torch.float16, progress: bool = True, regenerate_max_new_tokens: int | None = None,
+              data_path=None, init_from=None, decay: float = 0.8):
+    """Train a DeepSeek-V3-style MTP module for the frozen ``target`` (post-hoc): one decoder layer of the target's
+    own family between its embedding and its LM head (over the ``draft_vocab`` most frequent training tokens), fed
+    with the target's cached final hidden states (the shared feature cache) and trained at chain depths
+    ``1..depths`` (depth ``j`` weighed ``decay ** j``; :func:`.mtp.mtp_loss`). The block starts as a copy of the
+    target's last layer. ``init_from``: a module folder to continue from."""
+    from ..modeling.mtp import MTPConfig, MTPModule, block_config_for
+    from .mtp import mtp_loss
+
+    text = target.config.get_text_config()
+    out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
+                                     regenerate_max_new_tokens, data_path)
+    torch.manual_seed(seed)
+
+    def build(size):
+        return MTPConfig(block_config=block_config_for(text, 1), num_modules=1, layout="deepseek",
+                         vocab_size=text.vocab_size, draft_vocab_size=size, num_target_layers=text.num_hidden_layers,
+                         base_model_name_or_path=_target_id(target))
+
+    return _train_posthoc(MTPModule, build, target, draft_vocab, shards, shards, out,
+                          lambda m, in_draft, b: mtp_loss(m, in_draft, b, depths, decay), config, init_from,
+                          save_dtype, progress)
+
+
+def train_parallel_mtp(target, tokenizer, out_dir, heads: int = 3, draft_vocab: int = 8192, samples: int = 1500,
+                       max_length: int = 384, config: TrainConfig | None = None, features_dir=None, seed: int = 0,
+                       save_dtype=torch.float16, progress: bool = True, regenerate_max_new_tokens: int | None = None,
+                       data_path=None, init_from=None, decay: float = 1.0):
+    """Train ``heads`` parallel MTP heads (Gloeckle et al.) for the frozen ``target``: extra decoder layers of its
+    family on its trunk (the input of its last layer, added to the shared feature cache; the target's layers
+    ``0..N-2`` run once more over the data), each started as a copy of the last layer and read out through the
+    target's final norm and LM head (:func:`.mtp.parallel_heads_loss`)."""
+    from ..modeling.mtp import ParallelMTPConfig, ParallelMTPHeads, block_config_for
+    from .layerskip import ExitShards, exit_features
+    from .mtp import parallel_heads_loss
+
+    text = target.config.get_text_config()
+    out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
+                                     regenerate_max_new_tokens, data_path)
+    data = ExitShards(shards, exit_features(target, shards, text.num_hidden_layers - 1, progress))
+    torch.manual_seed(seed)
+
+    def build(size):
+        return ParallelMTPConfig(block_config=block_config_for(text, heads), num_modules=heads,
+                                 vocab_size=text.vocab_size, draft_vocab_size=size,
+                                 num_target_layers=text.num_hidden_layers, base_model_name_or_path=_target_id(target))
+
+    return _train_posthoc(ParallelMTPHeads, build, target, draft_vocab, shards, data, out,
+                          lambda m, in_draft, b: parallel_heads_loss(m, in_draft, b, decay), config, init_from,
+                          save_dtype, progress)
+
+
 def train_exit_adapter(target, tokenizer, out_dir, exit_layer: int = 4, draft_vocab: int = 8192, mlp: bool = True,
                        layers: int = 1,
                        samples: int = 1500, max_length: int = 384, config: TrainConfig | None = None,

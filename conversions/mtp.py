@@ -1,0 +1,494 @@
+"""Published multi-token-prediction (MTP) layers -> :class:`hf_specdec.modeling.mtp.MTPModule`.
+
+The MTP layers ship inside the main model's checkpoint; only ``config.json``, ``model.safetensors.index.json`` and
+the shard(s) the index names for the MTP tensors are fetched (pinned to one commit), and only the MTP tensors are
+read from them. Three layouts (:data:`LAYOUTS`) are read as published; the module keeps each layout's own names with
+the checkpoint prefix removed:
+
+* **deepseek**: DeepSeek-V3 / R1 (``deepseek_v3``), GLM-4.5 / 4.6 / 4.7 (``glm4_moe``) and other families that put
+  ``num_nextn_predict_layers`` (``K``) modules after their ``N = num_hidden_layers`` decoder layers:
+  ``model.layers.{N+k}.{enorm, hnorm, eh_proj, shared_head.norm}.weight`` and a decoder layer of the family
+  (``self_attn.*``, ``mlp.*``, ``input_layernorm``, ``post_attention_layernorm``) -> ``layers.{k}.*``. The stored
+  ``embed_tokens.weight`` and ``shared_head.head.weight`` are copies of the target's embedding and LM head and are not
+  kept (the module uses the target's when bound). DeepSeek-V3's released weights are FP8 (``float8_e4m3fn``) with
+  block scales ``*.weight_scale_inv`` (``quantization_config.weight_block_size``, 128 x 128): they are dequantized
+  (``weight.float() * scale`` broadcast over the blocks, cropped to the weight's shape) and kept in bf16 by default.
+* **qwen3_next**: Qwen3-Next (``qwen3_next``, ``num_nextn_predict_layers``) and Qwen3.5 / 3.6 (``qwen3_5``,
+  ``qwen3_5_moe``: the config nests ``text_config``, which says ``mtp_num_hidden_layers``): ``mtp.fc.weight [H, 2H]``,
+  ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.norm`` and full-attention decoder layers
+  ``mtp.layers.{k}.*`` -> the same names without ``mtp.``. The norms are the family's zero-centred ``x * (1 + w)``
+  RMSNorm.
+* **mimo**: XiaomiMiMo/MiMo-7B-{Base,SFT,RL} (config ``model_type: "mimo"``, a Qwen2-shaped model with remote code that
+  is never executed here): ``model.mtp_layers.{k}.{token_layernorm, hidden_layernorm, input_proj [H, 2H],
+  input_layernorm, post_attention_layernorm, self_attn.{q,k,v}_proj.{weight,bias}, self_attn.o_proj.weight,
+  mlp.{gate,up,down}_proj.weight, final_layernorm}`` -> ``layers.{k}.*``; the projection reads the **hidden state
+  first**. The block is a transformers ``Qwen2DecoderLayer`` built from the MiMo config's fields
+  (:func:`mimo_main_config`). The main model runs without its remote code as a plain ``Qwen2ForCausalLM``::
+
+      from transformers import Qwen2ForCausalLM
+      from hf_specdec.conversions.mtp import convert_mtp, mimo_main_config
+
+      repo = "XiaomiMiMo/MiMo-7B-RL"
+      target = Qwen2ForCausalLM.from_pretrained(repo, config=mimo_main_config(repo))  # model.mtp_layers.* unused
+      mtp = convert_mtp(repo).bind_target(target)
+
+The MoE blocks' experts are stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``) while transformers
+5.x modules hold them fused (``mlp.experts.gate_up_proj`` / ``down_proj``): the tensors go through transformers' own
+loader with the family's own conversion mapping (``get_checkpoint_conversion_mapping(model_type)``), exactly as
+``from_pretrained`` of the family would load them; parameters the family keeps in fp32
+(``_keep_in_fp32_modules_strict``: DeepSeek's / GLM's router) stay fp32.
+
+A folder that is already in hf_specdec's format (``model_type: "hf_specdec_mtp"``) is refused with a message to load
+it with ``MTPModule.from_pretrained`` (``conversions.common.load_converted_or_published`` does either).
+
+Sources: deepseek-ai/DeepSeek-V3 ``README_WEIGHTS.md`` (``model.layers.61.*``, FP8 128 x 128 ``weight_scale_inv``)
+and ``inference/fp8_cast_bf16.py`` (dequantization); vLLM ``vllm/model_executor/models/deepseek_mtp.py``,
+``qwen3_next_mtp.py``, ``mimo_mtp.py``; SGLang ``deepseek_nextn.py``; transformers 5.24 ``modeling_layers.py``
+(``MtpLayer``, ``MtpModel.from_pretrained``), ``conversion_mapping.py`` (``MtpModel`` renamings, ``qwen2_moe`` expert
+fusion), ``Glm4MoePreTrainedModel._keys_to_ignore_on_load_unexpected`` (GLM's ``model.layers.92.*`` / ``46.*``);
+XiaomiMiMo ``modeling_mimo.py`` (``MiMoMTPLayers``, ``cat([hidden_layernorm(h), token_layernorm(emb)])``); mlx-lm
+PR 990 (Qwen3.5 ``mtp.*``, ``mtp_num_hidden_layers``); collected in ``shared/reference/dflash-layerskip-mtp.md`` §3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hf_specdec.modeling.mtp import LAYOUTS as _MODEL_LAYOUTS
+
+from .common import ConversionError, check_weight_file, load_target_config, read_config, resolve_source
+
+LAYOUTS = _MODEL_LAYOUTS
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# config fields that count the MTP modules, in the order they are looked for
+COUNT_FIELDS = ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_hidden_layers")
+_QWEN3_NEXT_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"}
+_MIMO_TYPES = {"mimo"}
+_PROJ = {"deepseek": "eh_proj", "qwen3_next": "fc", "mimo": "input_proj"}
+_NOT_KEPT = ("embed_tokens.weight", "shared_head.head.weight")  # deepseek: copies of the target's
+_DROPPED_CONFIG = ("quantization_config", "auto_map", "architectures", "transformers_version", "_name_or_path")
+_MIMO_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+                "rope_theta", "rope_scaling", "rope_parameters", "use_sliding_window", "sliding_window",
+                "max_window_layers", "attention_dropout", "tie_word_embeddings", "use_cache", "bos_token_id",
+                "eos_token_id", "pad_token_id", "torch_dtype", "dtype")
+logger = logging.getLogger("hf_specdec")
+
+
+@dataclass(frozen=True)
+class MTPSource:
+    """Where a checkpoint keeps its MTP layers: the layout, the main model's layer count ``N``, the module count its
+    config states (``None``: not stated) and the field that states it, and the (text) config."""
+
+    layout: str
+    num_target_layers: int
+    num_modules: int | None
+    count_field: str | None
+    text_config: dict = field(repr=False)
+
+    @property
+    def key_pattern(self) -> str:
+        """The checkpoint keys of the MTP layers, as a reader would write them."""
+        if self.layout == "deepseek":
+            return f"model.layers.{self.num_target_layers}.*"
+        return "mtp.*" if self.layout == "qwen3_next" else "model.mtp_layers.*"
+
+    def match(self, key: str) -> tuple[int | None, str] | None:
+        """``(module k, our key)`` of a checkpoint key of the MTP layers (k ``None``: shared by all modules), or
+        ``None`` for a key of the main model."""
+        if self.layout == "deepseek":
+            m = re.match(r"model\.layers\.(\d+)\.(.+)$", key)
+            if m is None or int(m[1]) < self.num_target_layers:
+                return None
+            k = int(m[1]) - self.num_target_layers
+            return k, f"layers.{k}.{m[2]}"
+        if self.layout == "mimo":
+            m = re.match(r"model\.mtp_layers\.(\d+)\.(.+)$", key)
+            return None if m is None else (int(m[1]), f"layers.{m[1]}.{m[2]}")
+        if not key.startswith("mtp."):
+            return None
+        ours = key[len("mtp."):]
+        m = re.match(r"layers\.(\d+)\.", ours)
+        return (int(m[1]) if m else None), ours
+
+
+def _text_config(config: dict) -> dict:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _count(text: dict, config: dict) -> tuple[str | None, int | None]:
+    for name in COUNT_FIELDS:
+        for where in (text, config):
+            if isinstance(where.get(name), int):
+                return name, where[name]
+    return None, None
+
+
+def detect_layout(config: dict, keys=None, layout: str | None = None) -> tuple[str, MTPSource]:
+    """The MTP layout of a published checkpoint from its ``config.json`` (and, when given, its tensor names):
+    ``(layout, MTPSource)``. ``layout`` forces one of :data:`LAYOUTS`."""
+    if config.get("model_type") == "hf_specdec_mtp":
+        raise ConversionError("This folder is already in hf_specdec's MTP format: load it with "
+                              "MTPModule.from_pretrained (or pass it as drafter=).")
+    text = _text_config(config)
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise ConversionError(f"config.json has no num_hidden_layers (got {n!r}): cannot tell where the main model "
+                              "ends and the MTP layers begin.")
+    count_field, count = _count(text, config)
+    types = {config.get("model_type"), text.get("model_type")}
+    archs = " ".join(config.get("architectures") or [])
+    keys = list(keys or [])
+    if layout is not None:
+        if layout not in LAYOUTS:
+            raise ConversionError(f"Unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}.")
+    elif types & _MIMO_TYPES or "MiMo" in archs:
+        layout = "mimo"
+    elif types & _QWEN3_NEXT_TYPES:
+        layout = "qwen3_next"
+    elif any(k.startswith("mtp.") for k in keys):
+        layout = "qwen3_next"
+    elif any(k.startswith("model.mtp_layers.") for k in keys):
+        layout = "mimo"
+    else:
+        layout = "deepseek"
+    return layout, MTPSource(layout, n, count, count_field, text)
+
+
+def mimo_main_config(source, revision: str | None = None) -> "transformers.Qwen2Config":  # noqa: F821
+    """The ``Qwen2Config`` of a MiMo checkpoint's main model (and of its MTP blocks) from the MiMo ``config.json``
+    fields (a dict, a folder or a Hub repo id; only config.json is fetched): MiMo's main model is Qwen2-shaped, so it
+    loads as ``Qwen2ForCausalLM.from_pretrained(repo, config=mimo_main_config(repo))`` without the remote code."""
+    from transformers import Qwen2Config
+
+    if not isinstance(source, dict):
+        source = read_config(resolve_source(source, revision, allow_patterns=[CONFIG]))
+    fields = {k: source[k] for k in _MIMO_FIELDS if k in source}
+    if "torch_dtype" in fields:
+        fields["dtype"] = fields.pop("torch_dtype")
+    config = Qwen2Config(**fields)
+    config.architectures = ["Qwen2ForCausalLM"]
+    return config
+
+
+def _family_text_config(info: MTPSource, config: dict):
+    """The transformers config of the main model's text part (MiMo: its Qwen2 equivalent)."""
+    from transformers import AutoConfig
+
+    if info.layout == "mimo" and config.get("model_type") in _MIMO_TYPES | {None}:
+        return mimo_main_config(config)
+    data = {k: v for k, v in config.items() if k not in _DROPPED_CONFIG}
+    model_type = data.pop("model_type", None)
+    if not model_type:
+        raise ConversionError("config.json has no model_type: cannot tell which decoder layer the MTP blocks are.")
+    try:
+        built = AutoConfig.for_model(model_type, **data)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConversionError(f"transformers cannot build a {model_type!r} config (needed for the MTP blocks' "
+                              f"decoder layers): {err}") from err
+    return built.get_text_config(decoder=True)
+
+
+def _pin(source, folder: Path, revision: str | None) -> str | None:
+    """The commit the first fetch resolved (a Hub snapshot folder is named by it): later fetches use it, so every file
+    comes from one revision even if the branch moves meanwhile."""
+    if Path(source).expanduser().is_dir():
+        return revision
+    return folder.name if folder.parent.name == "snapshots" else revision
+
+
+def _read_index(folder: Path) -> dict[str, str] | None:
+    path = folder / INDEX
+    if not path.is_file():
+        return None
+    try:
+        weight_map = json.loads(path.read_text()).get("weight_map")
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise ConversionError(f"{path} is not a valid safetensors index: {err}") from err
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{path} has no weight_map.")
+    return weight_map
+
+
+def _module_count(info: MTPSource, mtp_keys, what: str) -> int:
+    found = sorted({k for k, _ in (info.match(key) for key in mtp_keys) if k is not None})
+    said = f"{info.count_field}={info.num_modules}" if info.count_field else \
+        f"no {' / '.join(COUNT_FIELDS)}"
+    if not mtp_keys:
+        if info.num_modules:
+            raise ConversionError(
+                f"{what}: config.json says {said}, but the checkpoint holds no {info.key_pattern} tensors: its MTP "
+                "layers are not in this checkpoint (some re-uploads and quantizations strip them).")
+        raise ConversionError(
+            f"{what}: the checkpoint has no MTP layers: config.json has {said} (looked for "
+            f"{', '.join(COUNT_FIELDS)}), and it holds no {info.key_pattern} tensors (looked for "
+            f"model.layers.{info.num_target_layers}.*, mtp.* and model.mtp_layers.*).")
+    if info.layout == "qwen3_next" and not found:
+        raise ConversionError(f"{what}: the checkpoint's mtp.* tensors hold no decoder layer (mtp.layers.0.*).")
+    if found != list(range(len(found))):
+        raise ConversionError(f"{what}: the MTP modules are numbered {found} ({info.key_pattern}); expected "
+                              f"0..K-1 consecutive.")
+    if not info.num_modules:
+        logger.warning(f"hf_specdec: {what}: config.json has {said}; the checkpoint holds {len(found)} MTP "
+                       "module(s), which are used.")
+        return len(found)
+    if len(found) < info.num_modules:
+        raise ConversionError(f"{what}: config.json says {said}, but the checkpoint holds only {len(found)} MTP "
+                              f"module(s) ({info.key_pattern}).")
+    if len(found) > info.num_modules:
+        raise ConversionError(f"{what}: the checkpoint holds {len(found)} MTP modules, config.json says {said}; "
+                              "unexpected tensors: " + ", ".join(sorted(
+                                  k for k in mtp_keys if info.match(k)[0] is not None
+                                  and info.match(k)[0] >= info.num_modules)[:6]))
+    return info.num_modules
+
+
+def _read_tensors(folder: Path, where: dict[str, str], what: str) -> dict[str, torch.Tensor]:
+    """The tensors ``where`` names (key -> file in ``folder``), file by file: a file missing or cut off is named."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for key, name in where.items():
+        by_file.setdefault(name, []).append(key)
+    tensors = {}
+    for name, keys in sorted(by_file.items()):
+        path = folder / name
+        if not path.is_file():
+            raise ConversionError(
+                f"{what}: {INDEX} names {name} for {len(keys)} MTP tensor(s) (e.g. {sorted(keys)[0]}), but {folder} "
+                f"has no such file: the download is incomplete or the file was removed; download it again.")
+        check_weight_file(path)
+        with safe_open(str(path), framework="pt") as handle:
+            present = set(handle.keys())
+            absent = sorted(k for k in keys if k not in present)
+            if absent:
+                raise ConversionError(f"{what}: {INDEX} places {absent[0]} in {name}, which does not hold it "
+                                      f"({len(absent)} such tensor(s)): the index and the shard do not match.")
+            tensors.update({k: handle.get_tensor(k) for k in keys})
+    return tensors
+
+
+def dequantize_fp8(tensors: dict[str, torch.Tensor], block_size=(128, 128), what: str = "checkpoint"
+                   ) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's FP8 weights in fp32: every ``X.weight`` (``float8_e4m3fn``) with ``X.weight_scale_inv``
+    ``[ceil(rows / b0), ceil(cols / b1)]`` becomes ``weight.float() * scale`` with each scale over its
+    ``b0 x b1`` block (cropped at the edges). Other tensors pass as they are."""
+    out = dict(tensors)
+    b0, b1 = (int(b) for b in block_size)
+    for scale_key in sorted(k for k in tensors if k.endswith(".weight_scale_inv")):
+        key = scale_key[:-len("_scale_inv")]
+        if key not in out:
+            raise ConversionError(f"{what}: {scale_key} has no {key} to scale.")
+        weight, scale = out.pop(key), out.pop(scale_key).float()
+        if weight.dim() != 2:
+            raise ConversionError(f"{what}: {key} is {tuple(weight.shape)}; block-scaled FP8 weights are 2-D.")
+        rows, cols = weight.shape
+        expected = (math.ceil(rows / b0), math.ceil(cols / b1))
+        if tuple(scale.shape) != expected:
+            raise ConversionError(f"{what}: {scale_key} is {tuple(scale.shape)}, but a {rows}x{cols} weight in "
+                                  f"{b0}x{b1} blocks needs {expected} scales (quantization_config.weight_block_size).")
+        full = scale.repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)[:rows, :cols]
+        out[key] = weight.float() * full
+    left = sorted(k for k, v in out.items() if v.dtype in _FP8_DTYPES)
+    if left:
+        raise ConversionError(f"{what}: {left[0]} is {out[left[0]].dtype} without a {left[0]}_scale_inv block scale "
+                              f"({len(left)} such tensor(s)); only DeepSeek-style block-scaled FP8 is supported.")
+    return out
+
+
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
+
+
+def _published_dtype(tensors: dict[str, torch.Tensor], proj_key: str) -> torch.dtype:
+    """The dtype the MTP layers were published in: that of the projection (FP8 -> bf16)."""
+    candidates = [tensors[proj_key]] if proj_key in tensors else list(tensors.values())
+    for t in candidates:
+        if t.is_floating_point() and t.dtype not in _FP8_DTYPES:
+            return t.dtype
+    return torch.bfloat16
+
+
+def _fp32_patterns(block_config) -> list[str]:
+    """The family's ``_keep_in_fp32_modules_strict`` (parameters transformers keeps fp32 whatever the dtype)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        cls = MODEL_MAPPING[type(block_config)]
+    except KeyError:
+        return []
+    return list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+
+
+def _keeps_fp32(name: str, patterns: list[str]) -> bool:
+    return any(re.search(rf"(^|\.){re.escape(p)}(\.|$)", name) for p in patterns)
+
+
+def _load_state(module, state: dict[str, torch.Tensor], names: dict[str, str], what: str) -> None:
+    """Load ``state`` (checkpoint names, prefix removed) into the meta-device ``module`` with transformers' own
+    loader and the block family's conversion mapping (per-expert -> fused experts, ...); anything missing,
+    unexpected or of another shape is an error naming the checkpoint's keys."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+    from transformers.utils import logging as hf_logging
+
+    block_type = module.config.block_config.get("model_type")
+    mapping = list(get_checkpoint_conversion_mapping(block_type) or []) + list(
+        get_checkpoint_conversion_mapping("legacy") or [])
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        info, _ = convert_and_load_state_dict_in_model(module, dict(state),
+                                                        LoadStateDictConfig(weight_mapping=mapping))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    module.__dict__.pop("_weight_conversions", None)  # saved in our (fused) names, loaded without conversion
+
+    def named(key):
+        return names.get(key, key)
+
+    problems = []
+    if info.unexpected_keys:
+        problems.append("unexpected tensors " + ", ".join(sorted(named(k) for k in info.unexpected_keys)[:8]))
+    if info.missing_keys:
+        problems.append("missing tensors " + ", ".join(sorted(info.missing_keys)[:8]))
+    if info.mismatched_keys:
+        problems.append("tensors of another shape " + "; ".join(
+            f"{named(k)} {list(got)} (the config makes {list(want)})"
+            for k, got, want in sorted(info.mismatched_keys, key=str)[:6]))
+    problems += [f"{k}: {v}" for k, v in sorted(info.conversion_errors.items())]
+    problems += list(info.error_msgs)
+    if not problems:
+        left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers()) if t.is_meta]
+        if left:
+            problems.append("tensors not loaded " + ", ".join(left[:8]))
+    if problems:
+        raise ConversionError(f"{what}: the MTP tensors do not fit the MTP module the config describes: "
+                              + "; ".join(problems) + ".")
+
+
+def _target_config(target):
+    if target is None:
+        return None
+    if hasattr(target, "get_text_config"):  # a config
+        return target
+    if hasattr(target, "config") and hasattr(target.config, "get_text_config"):  # a model
+        return target.config
+    folder = Path(target) if Path(target).is_dir() else resolve_source(target, allow_patterns=[CONFIG])
+    if read_config(folder).get("model_type") in _MIMO_TYPES:
+        return mimo_main_config(read_config(folder))
+    return load_target_config(target)
+
+
+def convert_mtp(source: str | os.PathLike, out: str | os.PathLike | None = None, revision: str | None = None,
+                target=None, layout: str | None = None, dtype: torch.dtype | None = None):
+    """Convert a published checkpoint's MTP layers (Hub repo id or folder) to an :class:`MTPModule`.
+
+    Fetched: ``config.json`` and ``model.safetensors.index.json`` first, then only the shard(s) the index names for
+    MTP tensors (an unsharded ``model.safetensors`` is fetched whole), all at the commit ``revision`` resolves to.
+    ``layout`` (default: detected) is one of :data:`LAYOUTS`. With ``target`` (a path, repo id, config or model)
+    the module is checked against the target's config (hidden size, vocabulary, layer count). With ``out`` it is
+    also saved there (``save_pretrained``). Weights are kept in ``dtype`` (default: the published dtype; FP8 ->
+    bf16), except what the family keeps in fp32. Returns the module in eval mode (not bound: ``bind_target``).
+    """
+    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, block_config_for
+
+    folder = resolve_source(source, revision, [CONFIG, INDEX])
+    pinned = _pin(source, folder, revision)
+    cfg = read_config(folder)
+    if cfg.get("model_type") == MTPConfig.model_type:
+        raise ConversionError(f"{source} is already in hf_specdec's MTP format: load it with "
+                              "MTPModule.from_pretrained (or pass it as drafter=).")
+    weight_map = _read_index(folder)
+    sharded = weight_map is not None
+    if not sharded:
+        logger.info(f"hf_specdec: {source} has no {INDEX}: fetching the whole {SINGLE} for its MTP layers.")
+        folder = resolve_source(source, pinned, [CONFIG, SINGLE])
+        single = folder / SINGLE
+        if not single.is_file():
+            raise ConversionError(f"{source}: no {INDEX} and no {SINGLE} (MTP layers are read from safetensors "
+                                  "checkpoints only).")
+        check_weight_file(single)
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            weight_map = {k: SINGLE for k in handle.keys()}
+    name, info = detect_layout(cfg, weight_map.keys(), None if layout in (None, "auto") else layout)
+    what = f"{source} ({name} layout)"
+    where = {k: f for k, f in weight_map.items() if info.match(k) is not None}
+    num_modules = _module_count(info, where, what)
+    shards = sorted(set(where.values()))
+    if sharded:  # only the shards that hold MTP tensors
+        folder = resolve_source(source, pinned, [CONFIG, INDEX, *shards])
+    tensors = _read_tensors(folder, where, what)
+    proj = f"layers.0.{_PROJ[name]}.weight" if name != "qwen3_next" else "fc.weight"
+    published = _published_dtype({info.match(k)[1]: v for k, v in tensors.items()}, proj)
+    quant = cfg.get("quantization_config") or {}
+    if any(k.endswith(".weight_scale_inv") for k in tensors) or any(t.dtype in _FP8_DTYPES for t in tensors.values()):
+        tensors = dequantize_fp8(tensors, quant.get("weight_block_size") or (128, 128), what)
+    odd = sorted(k for k, v in tensors.items() if not v.is_floating_point())
+    if odd:
+        method = f" (quant_method {quant.get('quant_method')!r})" if quant else ""
+        raise ConversionError(f"{what}: {odd[0]} is {tensors[odd[0]].dtype}: quantized checkpoints{method} are not "
+                              "supported (only DeepSeek's block-scaled FP8); use the unquantized release.")
+
+    state, names = {}, {}
+    for key, value in tensors.items():
+        k, ours = info.match(key)
+        if name == "deepseek" and ours.split(".", 2)[2] in _NOT_KEPT:
+            continue  # the target's embedding / LM head, stored again
+        state[ours], names[ours] = value, key
+    weight_dtype = dtype or published
+
+    text = _family_text_config(info, cfg)
+    try:
+        config = MTPConfig(block_config=block_config_for(text, num_modules), num_modules=num_modules, layout=name,
+                           vocab_size=text.vocab_size, num_target_layers=info.num_target_layers,
+                           base_model_name_or_path=str(source))
+    except ValueError as err:
+        raise ConversionError(f"{what}: {err}") from err
+    target_cfg = _target_config(target)
+    if target_cfg is not None:
+        try:
+            config.check_target(target_cfg)
+        except ValueError as err:
+            raise ConversionError(f"{source}: {err}") from err
+
+    default = torch.get_default_dtype()
+    try:  # built as from_pretrained builds: on the meta device, in the weights' dtype (fp32 where a class says so)
+        torch.set_default_dtype(weight_dtype)
+        with torch.device("meta"):
+            module = MTPModule(config)
+    except ValueError as err:
+        raise ConversionError(f"{what}: {err}") from err
+    finally:
+        torch.set_default_dtype(default)
+    keep = _fp32_patterns(config.block_text_config())
+    for full_name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if tensor.is_floating_point() and _keeps_fp32(full_name, keep):
+            owner, _, attr = full_name.rpartition(".")
+            holder = module.get_submodule(owner)
+            if attr in holder._parameters:
+                holder._parameters[attr] = torch.nn.Parameter(tensor.float(), requires_grad=tensor.requires_grad)
+            else:
+                holder._buffers[attr] = tensor.float()
+    state["token_map"] = torch.arange(config.draft_vocab_size)
+    _load_state(module, state, names, what)
+    module.config.dtype = weight_dtype
+    module = module.eval()
+    if out is not None:
+        module.save_pretrained(str(out))
+    return module
