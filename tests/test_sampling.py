@@ -225,7 +225,8 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
         custom = hf_specdec.decoding_method("mtp", drafter=_mtp_module(model, parallel=True),
                                             draft_length_schedule="constant")
     elif method == "eagle3_chain":
-        custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2)
+        custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), num_speculative_tokens=2,
+                                            draft_length_schedule="constant")
     else:
         custom = hf_specdec.decoding_method(TopKTree())
     counts, stats = _sample(model, PROMPT, custom)

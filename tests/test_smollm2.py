@@ -60,7 +60,7 @@ def test_copy_prompt_accepts_drafts(smollm2, monkeypatch):
     assert out.speculative_stats["acceptance_length"] > 1.5
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "assisted", "medusa", "layerskip"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "assisted", "medusa", "layerskip", "mtp"])
 def test_shipped_drafters_are_small_half_precision_and_lossless(smollm2, method):
     import json
 
@@ -82,7 +82,7 @@ def test_shipped_drafters_are_small_half_precision_and_lossless(smollm2, method)
     if method == "assisted":  # a student: the target's embeddings and head, its own draft vocabulary
         assert config["hf_specdec_shares_target_embeddings"] and "hf_specdec_draft_vocab" in keys
         assert "lm_head.weight" not in keys
-    elif method in ("medusa", "layerskip"):  # read-outs over a draft vocabulary (layerskip: the target head's rows)
+    elif method in ("medusa", "layerskip", "mtp"):  # read-outs over a draft vocabulary (the target head's rows)
         assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert "lm_head.weight" not in keys and config["dtype"] == "float16"
         assert "token_map" in keys and config["draft_vocab_size"] < config["vocab_size"]
