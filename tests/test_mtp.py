@@ -297,10 +297,22 @@ def test_module_for_another_target_is_refused():
                  custom_generate=hf_specdec.decoding_method("mtp", drafter=module))
 
 
+def test_several_modules_draft_with_the_first(caplog):
+    """A checkpoint with K = 2 modules: the first drafts at every depth (said once), the output is the target's."""
+    m = model("llama")
+    module = mtp_module(m, num_modules=2)
+    ids, mask = prompts(3, length=12, seed=3, repeat=False)
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        out = generate(m, ids, mask, custom_generate=hf_specdec.decoding_method("mtp", drafter=module,
+                                                                                draft_length_schedule="constant"),
+                       return_dict_in_generate=True)
+    assert "has 2 modules" in caplog.text
+    assert torch.equal(out.sequences, generate(m, ids, mask))
+    assert out.speculative_stats["accepted_drafts"] > 0
+
+
 def test_bad_options_and_configs():
     m = model("llama")
-    with pytest.raises(ValueError, match="has 2 modules"):
-        build_proposer("mtp", m, drafter=mtp_module(m, num_modules=2))
     heads = ParallelMTPHeads(ParallelMTPConfig(block_config=block_config_for(m.config, 2), num_modules=2,
                                                vocab_size=VOCAB)).init_from_target(m)
     with pytest.raises(ValueError, match="tree_"):

@@ -24,11 +24,13 @@ from the module's distributions, which the verifier is given).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.mtp import LAYOUTS, MTPModule, ParallelMTPHeads
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -37,11 +39,13 @@ from .eagle3 import Eagle3Proposer
 from .features import FeatureDrafterProposer
 
 DEFAULT_TOKENS = 3  # the chain's length: the speed target's chain of 3
+logger = logging.getLogger("hf_specdec")
 
 
 class MTPProposer(Eagle3Proposer):
     """Args:
-        drafter: an :class:`MTPModule` for the target (one stored module; bound to the target in ``prepare``).
+        drafter: an :class:`MTPModule` for the target (bound to the target in ``prepare``); with several stored
+            modules the first drafts at every depth (a warning says so).
         num_speculative_tokens: the chain's length (``None`` with a tree).
         top_k, depth, total_tokens: a dynamic draft tree instead of the chain (EAGLE-2's expansion).
         adaptive: verify only the drafts that pay for their measured cost, back off when none does.
@@ -52,16 +56,15 @@ class MTPProposer(Eagle3Proposer):
     def __init__(self, drafter: MTPModule, num_speculative_tokens: int | None = DEFAULT_TOKENS,
                  adaptive: bool = True, **tree):
         if drafter.num_modules > 1:
-            raise ValueError(
-                f"This MTP checkpoint has {drafter.num_modules} modules. hf_specdec drafts with one module applied "
-                "again for every draft (as DeepSeek-V3 and vLLM use their one-module checkpoints); a module k > 1 "
-                "reads its own causal context of module k - 1 outputs, which the mtp method does not keep yet. "
-                "Convert with one module (the first), or use the module as trained: MTPModule(config with "
-                "num_modules=1) loaded with its first module's weights.")
+            logger.warning(
+                f"hf_specdec: this MTP checkpoint has {drafter.num_modules} modules; mtp drafts with the first one "
+                "applied again for every draft (as DeepSeek-V3 and vLLM use a one-module checkpoint). Modules 2.. "
+                "would each read a causal context of the previous module's outputs, which the method does not keep, "
+                "so they are not used (the output is the target's either way).")
         super().__init__(drafter, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, **tree)
 
     def _draft_forward(self, tokens, hidden, positions, mask, step: int):
-        return self.drafter(tokens, hidden, positions, mask, self.cache, step=step)
+        return self.drafter(tokens, hidden, positions, mask, self.cache, step=0)  # the first module, at every depth
 
 
 class ParallelHeadsProposer(FeatureDrafterProposer):
@@ -130,8 +133,6 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
     def _size(self, state, reach: torch.Tensor) -> int:
         if state.cost_model is None:
             return reach.shape[0]
-        from ..costs import best_count
-
         return best_count(1.0 + torch.cumsum(reach * self.calibration, 0), state.cost_model)
 
     def _feed(self, state) -> torch.Tensor:
