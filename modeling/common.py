@@ -1,8 +1,12 @@
-"""Checks shared by the drafters that read target features (EAGLE-3, DFlash)."""
+"""What the drafters share: the fit check against a target, the read-out through the target's LM head."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
+
+import torch
+from torch import nn
 
 
 def target_fit_problems(config, target_config, what: str, ids_for: Callable[[int], list[int]],
@@ -24,3 +28,68 @@ def target_fit_problems(config, target_config, what: str, ids_for: Callable[[int
     if any(not 0 <= i <= top for i in ids):
         problems.append(f"{what} {ids} out of range for a {n}-layer target (0..{top})")
     return problems
+
+
+class DraftVocabularyMixin:
+    """A drafter that scores ``config.draft_vocab_size`` of the target's ``config.vocab_size`` tokens: the buffer
+    ``token_map`` holds the target id of every draft id."""
+
+    def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            return draft_ids
+        return self.token_map.to(draft_ids.device)[draft_ids]
+
+    def set_draft_vocabulary(self, draft_ids) -> torch.LongTensor:
+        """Set ``token_map`` to ``draft_ids`` (the target ids kept, one per draft id); returns them as a tensor."""
+        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
+        if draft_ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"draft_ids has {draft_ids.numel()} ids for draft_vocab_size "
+                             f"{self.config.draft_vocab_size}.")
+        with torch.no_grad():
+            self.token_map.copy_(draft_ids.to(self.token_map.device))
+        return draft_ids
+
+
+class TargetHeadMixin(DraftVocabularyMixin):
+    """For a drafter that reads out through its target's LM head over a draft vocabulary (a ``token_map`` buffer of
+    target ids): what it takes from the target when bound (never stored: out of the module tree) -- the LM head's rows
+    of ``token_map``, the embedding, the logit soft-cap, a weak reference to the target -- and the read-out.
+    The class needs ``config.check_target``, ``config.vocab_size`` and ``config.draft_vocab_size``."""
+
+    def bind_target(self, target):
+        """Check the module fits ``target`` and take its embedding and LM head rows (frozen, not saved); returns
+        the module."""
+        self.config.check_target(target.config)
+        head = target.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"{type(self).__name__} reads out with the target's linear LM head; got "
+                             f"{type(head).__name__}.")
+        rows = self.token_map.to(head.weight.device)
+        sub = nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, device=head.weight.device,
+                        dtype=head.weight.dtype)
+        with torch.no_grad():
+            sub.weight.copy_(head.weight[rows])
+            if head.bias is not None:
+                sub.bias.copy_(head.bias[rows])
+        self.__dict__["head"] = sub.requires_grad_(False)  # out of the module tree: never saved or trained
+        self.__dict__["embed"] = target.get_input_embeddings()
+        self.__dict__["_bound"] = weakref.ref(target)
+        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
+        return self
+
+    def bound_to(self):
+        """The target :meth:`bind_target` took the embedding and head from (``None`` if none, or gone)."""
+        ref = self.__dict__.get("_bound")
+        return ref() if ref is not None else None
+
+    def _require_bound(self) -> None:
+        if self.__dict__.get("head") is None:
+            raise ValueError(f"Bind the {type(self).__name__} to its target first: module.bind_target(target).")
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (fp32) of normed states, read out with the target's head rows."""
+        self._require_bound()
+        logits = self.head(normed.to(self.head.weight.dtype)).float()
+        if getattr(self, "softcap", None):
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits

@@ -18,8 +18,6 @@ weight, so an untrained adapter drafts exactly what the plain early exit drafts.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,7 +25,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .common import target_fit_problems
+from .common import TargetHeadMixin, target_fit_problems
 
 
 class ExitAdapterConfig(PretrainedConfig):
@@ -157,7 +155,7 @@ class ExitAdapterLayer(nn.Module):
         return hidden
 
 
-class ExitAdapter(PreTrainedModel):
+class ExitAdapter(TargetHeadMixin, PreTrainedModel):
     """The exit adapter (see the module docstring).
 
     ``forward(hidden_states [B, q, H], position_ids [B, q], attention_mask=None, cache=None) -> normed [B, q, H]``;
@@ -190,42 +188,12 @@ class ExitAdapter(PreTrainedModel):
         elif isinstance(module, LlamaRMSNorm):
             module.weight.data.fill_(1.0)
 
-    def bind_target(self, target) -> "ExitAdapter":
-        """Check the adapter fits ``target`` and take its LM head's rows of ``token_map`` (frozen, not saved)."""
-        self.config.check_target(target.config)
-        head = target.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"An exit adapter reads out with the target's linear LM head; got {type(head).__name__}.")
-        rows = self.token_map.to(head.weight.device)
-        sub = nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, device=head.weight.device,
-                        dtype=head.weight.dtype)
-        with torch.no_grad():
-            sub.weight.copy_(head.weight[rows])
-            if head.bias is not None:
-                sub.bias.copy_(head.bias[rows])
-        self.__dict__["head"] = sub.requires_grad_(False)  # kept out of the module tree: never saved or trained
-        self.__dict__["_bound"] = weakref.ref(target)
-        text = target.config.get_text_config()
-        self.softcap = getattr(text, "final_logit_softcapping", None)
-        return self
-
-    def bound_to(self):
-        """The target :meth:`bind_target` took the head from (``None`` if none, or gone)."""
-        ref = self.__dict__.get("_bound")
-        return ref() if ref is not None else None
-
     def init_from_target(self, target, draft_ids: torch.LongTensor | None = None) -> "ExitAdapter":
         """Start from the plain early exit: attention and MLP outputs zero, the final norm the target's; sets
         ``token_map`` (``draft_ids``: the target ids kept, default all) and binds the target."""
         self.config.check_target(target.config)
-        if draft_ids is None:
-            draft_ids = torch.arange(self.config.vocab_size)
-        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
-        if draft_ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"draft_ids has {draft_ids.numel()} ids for draft_vocab_size "
-                             f"{self.config.draft_vocab_size}.")
+        self.set_draft_vocabulary(torch.arange(self.config.vocab_size) if draft_ids is None else draft_ids)
         with torch.no_grad():
-            self.token_map.copy_(draft_ids.to(self.token_map.device))
             for layer in self.layers:
                 layer.o_proj.weight.zero_()
                 if self.config.intermediate_size:
@@ -241,11 +209,6 @@ class ExitAdapter(PreTrainedModel):
                 self.norm.weight.copy_(scale[0].to(self.norm.weight))
         return self.bind_target(target)
 
-    def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            return draft_ids
-        return self.token_map.to(draft_ids.device)[draft_ids]
-
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.LongTensor, attention_mask=None, cache=None):
         """The adapter's normed output for the exit hidden states ``[B, q, H]`` (keys/values appended to ``cache``,
         one layer per adapter layer); ``attention_mask``: additive ``[B, 1, q, keys]`` (``None``: causal)."""
@@ -256,15 +219,6 @@ class ExitAdapter(PreTrainedModel):
         for layer in self.layers:
             x = layer(x, position_ids, attention_mask, cache)
         return self.norm(x)
-
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (fp32) of the adapter's output, read out with the target's head rows."""
-        if self.head is None:
-            raise ValueError("Bind the exit adapter to its target first: adapter.bind_target(target).")
-        logits = self.head(normed.to(self.head.weight.dtype)).float()
-        if getattr(self, "softcap", None):
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
 
 
 AutoConfig.register(ExitAdapterConfig.model_type, ExitAdapterConfig)

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 from transformers.activations import ACT2FN
 
-from .common import target_fit_problems
+from .common import DraftVocabularyMixin, target_fit_problems
 
 
 class MedusaConfig(PretrainedConfig):
@@ -114,7 +114,7 @@ class MedusaBlock(nn.Module):
         return x
 
 
-class MedusaHeads(PreTrainedModel):
+class MedusaHeads(DraftVocabularyMixin, PreTrainedModel):
     """``K`` Medusa heads over the target's final hidden state (see the module docstring).
 
     ``forward(hidden_states [..., H]) -> logits [..., K, draft_vocab_size]``; :meth:`draft_to_target` maps draft
@@ -158,11 +158,6 @@ class MedusaHeads(PreTrainedModel):
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         return [text.num_hidden_layers]
 
-    def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            return draft_ids
-        return self.token_map[draft_ids]
-
     def init_from_target(self, target, draft_ids: torch.LongTensor | None = None) -> "MedusaHeads":
         """Start training from the target: every read-out is a copy of the target's LM head rows (``draft_ids``, or
         the whole vocabulary) and every block is zero, as the reference does; sets ``token_map``."""
@@ -172,12 +167,8 @@ class MedusaHeads(PreTrainedModel):
             if self.config.draft_vocab_size != self.config.vocab_size:
                 raise ValueError("A draft vocabulary needs the target ids it keeps (draft_ids).")
             draft_ids = torch.arange(self.config.vocab_size)
-        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
-        if draft_ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"draft_ids has {draft_ids.numel()} ids for draft_vocab_size "
-                             f"{self.config.draft_vocab_size}.")
+        draft_ids = self.set_draft_vocabulary(draft_ids)
         with torch.no_grad():
-            self.token_map.copy_(draft_ids.to(self.token_map.device))
             for head in self.lm_heads:
                 head.weight.copy_(weight[draft_ids.to(weight.device)].to(head.weight))
             for block in self.blocks:

@@ -47,13 +47,12 @@ from __future__ import annotations
 import copy
 import inspect
 import sys
-import weakref
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
-from .common import target_fit_problems
+from .common import TargetHeadMixin, target_fit_problems
 
 LAYOUTS = ("deepseek", "qwen3_next", "mimo")
 # per layout: (embedding norm, hidden norm, projection, output norm) names, and whether one set serves every block
@@ -133,64 +132,13 @@ def _build_block_config(data: dict) -> PretrainedConfig:
     return config
 
 
-class _Bound:
-    """What a module takes from its target when bound (never stored): the embedding, the LM head rows of
-    ``token_map``, the logit soft-cap, a weak reference to the target."""
+class _Bound(TargetHeadMixin):
+    """The MTP classes' shared part: the target's head and embedding (:class:`TargetHeadMixin`), the family's rotary
+    embedding, linear initialisation."""
 
     @property
     def num_modules(self) -> int:
         return self.config.num_modules
-
-    def bind_target(self, target):
-        """Check the module fits ``target`` and take its embedding and LM head rows (frozen, not saved); returns
-        the module."""
-        self.config.check_target(target.config)
-        head = target.get_output_embeddings()
-        if not isinstance(head, nn.Linear):
-            raise ValueError(f"{type(self).__name__} reads out with the target's linear LM head; got "
-                             f"{type(head).__name__}.")
-        rows = self.token_map.to(head.weight.device)
-        sub = nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, device=head.weight.device,
-                        dtype=head.weight.dtype)
-        with torch.no_grad():
-            sub.weight.copy_(head.weight[rows])
-            if head.bias is not None:
-                sub.bias.copy_(head.bias[rows])
-        self.__dict__["head"] = sub.requires_grad_(False)  # out of the module tree: never saved or trained
-        self.__dict__["embed"] = target.get_input_embeddings()
-        self.__dict__["_bound"] = weakref.ref(target)
-        self.softcap = getattr(target.config.get_text_config(), "final_logit_softcapping", None)
-        return self
-
-    def bound_to(self):
-        """The target :meth:`bind_target` took the embedding and head from (``None`` if none, or gone)."""
-        ref = self.__dict__.get("_bound")
-        return ref() if ref is not None else None
-
-    def _require_bound(self) -> None:
-        if self.__dict__.get("head") is None:
-            raise ValueError(f"Bind the {type(self).__name__} to its target first: module.bind_target(target).")
-
-    def logits(self, normed: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (fp32) of normed states, read out with the target's head rows."""
-        self._require_bound()
-        logits = self.head(normed.to(self.head.weight.dtype)).float()
-        if getattr(self, "softcap", None):
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        if self.config.draft_vocab_size == self.config.vocab_size:
-            return draft_ids
-        return self.token_map.to(draft_ids.device)[draft_ids]
-
-    def set_draft_vocabulary(self, draft_ids) -> None:
-        draft_ids = torch.as_tensor(draft_ids, dtype=torch.long)
-        if draft_ids.numel() != self.config.draft_vocab_size:
-            raise ValueError(f"draft_ids has {draft_ids.numel()} ids for draft_vocab_size "
-                             f"{self.config.draft_vocab_size}.")
-        with torch.no_grad():
-            self.token_map.copy_(draft_ids.to(self.token_map.device))
 
     def _rope(self, x, position_ids):
         """The family's rotary embedding for ``position_ids`` (``None`` for a family without one). The rotary
@@ -207,10 +155,17 @@ class _Bound:
             return rotary[1](x, position_ids, "full_attention")
         return rotary[1](x, position_ids)
 
-    def _set_rotary(self, rotary_cls) -> None:
+    def _family(self, config):
+        """What both classes start with: ``(block config, decoder layer class, norm class)`` of the family; the
+        rotary embedding's class and the ``token_map`` buffer are set up."""
+        block_config = config.block_text_config()
+        layer_cls, norm_cls, rotary_cls = family_classes(block_config)
         self._rotary_cls = rotary_cls
         self._typed_rope = rotary_cls is not None and "layer_type" in inspect.signature(
             rotary_cls.forward).parameters
+        self.register_buffer("token_map", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        self.head = None  # the target's LM head rows of token_map (bind_target), not a parameter
+        return block_config, layer_cls, norm_cls
 
     def _init_weights(self, module):
         # linear layers only: the family's norms keep their own initialisation (1, or 0 for the (1 + w) ones)
@@ -329,8 +284,7 @@ class MTPModule(_Bound, PreTrainedModel):
 
     def __init__(self, config: MTPConfig):
         super().__init__(config)
-        block_config = config.block_text_config()
-        layer_cls, norm_cls, rotary_cls = family_classes(block_config)
+        block_config, layer_cls, norm_cls = self._family(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         emb_norm, hid_norm, proj, out_norm, shared = _NAMES[config.layout]
         self._names = (emb_norm, hid_norm, proj, out_norm, shared)
@@ -343,9 +297,6 @@ class MTPModule(_Bound, PreTrainedModel):
         self.layers = nn.ModuleList(blocks)
         if shared:
             self._add_inputs(self, norm_cls, hidden, eps)
-        self._set_rotary(rotary_cls)
-        self.register_buffer("token_map", torch.arange(config.draft_vocab_size, dtype=torch.long))
-        self.head = None
         self.post_init()
 
     def _add_inputs(self, owner: nn.Module, norm_cls, hidden: int, eps: float) -> None:
@@ -467,13 +418,9 @@ class ParallelMTPHeads(_Bound, PreTrainedModel):
 
     def __init__(self, config: ParallelMTPConfig):
         super().__init__(config)
-        block_config = config.block_text_config()
-        layer_cls, norm_cls, rotary_cls = family_classes(block_config)
+        block_config, layer_cls, norm_cls = self._family(config)
         self.layers = nn.ModuleList(layer_cls(block_config, i) for i in range(config.num_modules))
         self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
-        self._set_rotary(rotary_cls)
-        self.register_buffer("token_map", torch.arange(config.draft_vocab_size, dtype=torch.long))
-        self.head = None
         self.post_init()
 
     def feature_layer_ids(self, target_config) -> list[int]:

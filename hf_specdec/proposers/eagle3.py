@@ -23,7 +23,6 @@ from transformers.cache_utils import DynamicCache
 from .. import cache as cache_ops
 from ..default_model import MODEL_ID as SMOLLM2
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3
-from ..costs import best_count
 from ..modeling.eagle3 import Eagle3Drafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree, build_attention_mask
@@ -98,11 +97,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 next_tok[b, j] = following
                 if row_valid[j]:
                     following = row_tok[j]
-        n = end - start
-        attends = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :]
-        attends |= torch.eye(n, dtype=torch.bool, device=valid.device)[None]  # holes still see themselves
-        mask = self._mask(state, layout.valid[:, :start], layout.positions[:, :start], layout.positions[:, start:end],
-                          attends)
+        mask = self._context_mask(state, start, end)
         logits, hidden = self._draft_forward(next_tok.to(self.device), self.features[:, start:end],
                                              layout.positions[:, start:end].to(self.device), mask, step=0)
         self.synced = end
@@ -172,9 +167,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             p = torch.softmax(scores, dim=-1) if state.do_sample or self.adaptive else None
             if state.do_sample:
                 pick = torch.multinomial(p, 1)[:, 0]
-                full = torch.zeros(bsz, state.model.config.get_text_config().vocab_size, device=self.device)
-                full.index_add_(1, self.drafter.draft_to_target(torch.arange(p.shape[-1], device=self.device)), p)
-                probs.append(full.to(state.device))
+                probs.append(self._target_probs(state, p))
             else:
                 pick = scores.argmax(-1)
             token = self.drafter.draft_to_target(pick)
@@ -194,14 +187,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
             rows_pos = torch.cat([rows_pos, pos], 1)
         counts = [min(m, len(drafts)) for m in state.max_drafts]
         if self.adaptive:  # verify only the drafts that pay for their verification (the measured costs)
-            reach_rows = torch.stack(reaches, dim=1).cpu()  # [B, n]
-            counts = [min(c, self._tree_size(state, reach_rows[b, :c])) if c else 0 for b, c in enumerate(counts)]
-            self._predicted = [float(reach_rows[b, :c].sum()) for b, c in enumerate(counts)]
-            for b, c in enumerate(counts):
-                if c:
-                    self._note_worth(state, self._predicted[b], c)
+            counts = self._cut_chains(state, torch.stack(reaches, dim=1), counts)
             if not any(counts):
-                self._predicted = None
                 return None
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1),
@@ -258,14 +245,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return self._select(state, torch.cat(cand_score, 1), torch.cat(cand_tok, 1), torch.cat(cand_parent, 1),
                             torch.cat(cand_depth, 1))
 
-    def _tree_size(self, state, probs: torch.Tensor) -> int:
-        """How many of the best candidates to verify: the count that maximises expected committed tokens per unit of
-        forward cost. A candidate lies on the accepted path with probability ~ its cumulative drafter probability
-        (scaled by a running calibration of predicted vs accepted drafts)."""
-        if not self.adaptive:
-            return probs.shape[0]
-        return best_count(1.0 + torch.cumsum(probs * self.calibration, 0), state.cost_model)
-
     def _select(self, state, score, tok, parent, depth):
         """Keep the best candidates of each row (at most ``total_tokens - 1``, fewer when more would not pay for
         their verification), ancestor-closed, in parent-first order."""
@@ -279,7 +258,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             top = score[b].topk(keep_n)
             finite = torch.isfinite(top.values)
             order, probs = top.indices[finite], top.values[finite].exp()
-            n = self._tree_size(state, probs)
+            n = self._pays(state, probs)
             order, probs = order[:n], probs[:n]
             self._predicted.append(float(probs.sum()))
             self._note_worth(state, float(probs.sum()), n)

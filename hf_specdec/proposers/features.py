@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..costs import best_count
+from ..tree import build_attention_mask
 from .base import BackOff, Proposer
 
 
@@ -89,6 +91,49 @@ class FeatureDrafterProposer(Proposer):
         if hidden_states is None:
             raise RuntimeError(f"{self.name} needs the target's hidden states; the loop did not return them.")
         return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
+
+    def _context_mask(self, state, start: int, end: int):
+        """The mask of the drafter's rows for the target columns ``start..end`` after its rows of ``0..start``:
+        causal over the real columns, a hole seeing only itself."""
+        layout = state.layout
+        valid = layout.valid[:, start:end].to(self.device)
+        n = end - start
+        attends = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None] & valid[:, None, :]
+        attends |= torch.eye(n, dtype=torch.bool, device=self.device)[None]  # holes still see themselves
+        return build_attention_mask(self.drafter.config, layout.valid[:, :start].to(self.device),
+                                    layout.positions[:, :start].to(self.device),
+                                    layout.positions[:, start:end].to(self.device), attends, self.dtype)
+
+    def _pays(self, state, reach: torch.Tensor) -> int:
+        """How many of the best drafts to verify (``reach``: their uncalibrated probabilities of lying on the accepted
+        path, best first): the count maximising expected committed tokens per unit of verification cost (0: none
+        beats a plain step); all of them when not adaptive."""
+        if not self.adaptive or state.cost_model is None:
+            return reach.shape[0]
+        return best_count(1.0 + torch.cumsum(reach * self.calibration, 0), state.cost_model)
+
+    def _cut_chains(self, state, reach: torch.Tensor, counts: list[int]) -> list[int]:
+        """Each row's chain cut to the drafts that pay (``reach [B, k]``: each draft's probability that it and the
+        drafts before it are accepted; ``counts``: the drafts each row may have); the predictions are recorded for
+        the calibration and the back-off."""
+        reach = reach.cpu()
+        counts = [min(c, self._pays(state, reach[b, :c])) if c else 0 for b, c in enumerate(counts)]
+        self._predicted = [float(reach[b, :c].sum()) for b, c in enumerate(counts)]
+        for b, c in enumerate(counts):
+            if c:
+                self._note_worth(state, self._predicted[b], c)
+        if not any(counts):
+            self._predicted = None
+        return counts
+
+    def _target_probs(self, state, probs: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary distributions ``[..., Vd]`` as target-vocabulary ones ``[..., V]`` on the loop's device
+        (what the exact sampling rule reads)."""
+        full = torch.zeros(*probs.shape[:-1], state.model.config.get_text_config().vocab_size, device=probs.device,
+                           dtype=probs.dtype)
+        full.index_add_(probs.dim() - 1, self.drafter.draft_to_target(torch.arange(probs.shape[-1],
+                                                                                   device=probs.device)), probs)
+        return full.to(state.device)
 
     def _note_worth(self, state, reach: float, n: int) -> None:
         """Keep in ``_worth`` the best row's ``(expected tokens, verification cost)`` for :meth:`BackOff.judge`:

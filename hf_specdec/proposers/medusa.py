@@ -29,7 +29,6 @@ import time
 import torch
 
 from ..conversions.medusa import LAYOUTS, convert_medusa
-from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -173,7 +172,7 @@ class MedusaProposer(FeatureDrafterProposer):
             nodes = ok.nonzero()[:, 0]
             if self.adaptive and len(nodes):
                 order = nodes[torch.argsort(reach[b, nodes], descending=True, stable=True)]
-                n = self._size(state, reach[b, order])
+                n = self._pays(state, reach[b, order])
                 nodes = order[:n].sort().values  # pool order: parents first
                 if n:
                     self._note_worth(state, float(reach[b, nodes].sum()), n)
@@ -186,13 +185,6 @@ class MedusaProposer(FeatureDrafterProposer):
         if tree is None:
             self._predicted = None
         return tree
-
-    def _size(self, state, reach: torch.Tensor) -> int:
-        """How many of the best nodes (by calibrated reach probability) to verify: the count maximising expected
-        committed tokens per unit of verification cost (0: none beats a plain step)."""
-        if state.cost_model is None:
-            return reach.shape[0]
-        return best_count(1.0 + torch.cumsum(reach * self.calibration, 0), state.cost_model)
 
 
 def _choices_arg(opts, device):

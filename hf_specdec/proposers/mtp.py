@@ -30,12 +30,11 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.mtp import LAYOUTS, MTPModule, ParallelMTPHeads
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
-from ..tree import DraftTree, build_attention_mask
-from .eagle3 import Eagle3Proposer
+from ..tree import DraftTree
+from .eagle3 import Eagle3Proposer, default_tree
 from .features import FeatureDrafterProposer
 
 DEFAULT_TOKENS = 3  # the chain's length: the speed target's chain of 3
@@ -108,32 +107,14 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
         counts = [min(m, k) for m in state.max_drafts]
         self._worth, self._predicted = None, None
         if self.adaptive:
-            reach = probs.gather(-1, picks[..., None])[..., 0].cumprod(-1).cpu()  # [B, k]
-            counts = [min(c, int(self._size(state, reach[b, :c]))) if c else 0 for b, c in enumerate(counts)]
-            self._predicted = [float(reach[b, :c].sum()) for b, c in enumerate(counts)]
-            for b, c in enumerate(counts):
-                if c:
-                    self._note_worth(state, self._predicted[b], c)
+            counts = self._cut_chains(state, probs.gather(-1, picks[..., None])[..., 0].cumprod(-1), counts)
         tree = None
         if any(counts):
-            draft_probs = None
-            if state.do_sample:
-                vocab = state.model.config.get_text_config().vocab_size
-                draft_probs = torch.zeros(*probs.shape[:2], vocab, device=probs.device)
-                ids = self.drafter.draft_to_target(torch.arange(probs.shape[-1], device=probs.device))
-                draft_probs.index_add_(2, ids, probs)
-                draft_probs = draft_probs.to(state.device)
+            draft_probs = self._target_probs(state, probs) if state.do_sample else None
             tree = DraftTree.chain(state.roots(), drafts, torch.tensor(counts, device=state.device), draft_probs)
-        else:
-            self._predicted = None
         if self.adaptive:
             self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
         return tree
-
-    def _size(self, state, reach: torch.Tensor) -> int:
-        if state.cost_model is None:
-            return reach.shape[0]
-        return best_count(1.0 + torch.cumsum(reach * self.calibration, 0), state.cost_model)
 
     def _feed(self, state) -> torch.Tensor:
         """Feed the heads the trunk states of the columns they have not seen; every head's output at each row's last
@@ -142,13 +123,7 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
         if self.synced > layout.length:
             self.cache, self.synced = DynamicCache(), 0
         start, end = self.synced, layout.length
-        valid = layout.valid[:, start:end].to(self.device)
-        n = end - start
-        attends = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None] & valid[:, None, :]
-        attends |= torch.eye(n, dtype=torch.bool, device=self.device)[None]  # holes still see themselves
-        mask = build_attention_mask(self.drafter.config, layout.valid[:, :start].to(self.device),
-                                    layout.positions[:, :start].to(self.device),
-                                    layout.positions[:, start:end].to(self.device), attends, self.dtype)
+        mask = self._context_mask(state, start, end)
         normed = self.drafter(self.features[:, start:end], layout.positions[:, start:end].to(self.device), mask,
                               self.cache)  # [B, n_new, heads, H]
         self.synced = end
@@ -168,8 +143,6 @@ def _build(target, opts):
     if given:
         if opts["num_speculative_tokens"] is not None:
             raise ValueError("Pass num_speculative_tokens (a chain) or tree_* options (a tree), not both.")
-        from .eagle3 import default_tree
-
         return MTPProposer(drafter, num_speculative_tokens=None, adaptive=adaptive,
                            **{**default_tree(target.device), **given})
     return MTPProposer(drafter, num_speculative_tokens=opts["num_speculative_tokens"] or DEFAULT_TOKENS,
@@ -197,7 +170,7 @@ def _load(source, target):
 def _train(target, tokenizer, out, args, common):
     from .. import training
 
-    return training.train_mtp(target, tokenizer, out, depths=getattr(args, "depths", None) or 3,
+    return training.train_mtp(target, tokenizer, out, depths=args.depths,
                               draft_vocab=args.draft_vocab, **common)
 
 

@@ -232,7 +232,8 @@ def train_medusa(target, tokenizer, out_dir, heads: int = 3, layers: int = 1, dr
 
 def _train_posthoc(model_cls, build, target, draft_vocab, shards, data, out, loss, config, init_from, save_dtype,
                    progress):
-    """What the post-hoc MTP trainers share: ``model_cls(build(size))`` started from ``target`` over the
+    """What the trainers of drafters that read out through the frozen target's head share (MTP modules, parallel
+    heads, exit adapters): ``model_cls(build(size))`` started from ``target`` over the
     ``draft_vocab`` most frequent training tokens (or ``init_from``'s weights), trained with ``loss(model, in_draft,
     batch)`` on ``data`` and saved in ``save_dtype``; returns the saved model (bound to ``target``) and the metrics."""
     from .eagle3 import draft_vocabulary
@@ -319,7 +320,6 @@ def train_exit_adapter(target, tokenizer, out_dir, exit_layer: int = 4, draft_vo
     are added to the shared feature cache (only layers ``0..exit_layer-1`` run). ``init_from``: an adapter folder to
     continue from."""
     from ..modeling.layerskip import ExitAdapter, ExitAdapterConfig
-    from .eagle3 import draft_vocabulary
     from .layerskip import ExitShards, exit_adapter_loss, exit_features
 
     text = target.config.get_text_config()
@@ -327,13 +327,10 @@ def train_exit_adapter(target, tokenizer, out_dir, exit_layer: int = 4, draft_vo
                                      regenerate_max_new_tokens, data_path)
     data = ExitShards(shards, exit_features(target, shards, exit_layer, progress))
     torch.manual_seed(seed)
-    if init_from is not None:
-        model = ExitAdapter.from_pretrained(init_from, dtype=torch.float32).bind_target(target)
-    else:
-        size = min(draft_vocab, text.vocab_size)
-        d2t, _ = draft_vocabulary(shards.token_counts(text.vocab_size), size)
-        rope = getattr(text, "rope_parameters", None) or {}
-        model = ExitAdapter(ExitAdapterConfig(
+    rope = getattr(text, "rope_parameters", None) or {}
+
+    def build(size):
+        return ExitAdapterConfig(
             exit_layer=exit_layer, hidden_size=text.hidden_size, num_hidden_layers=layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
@@ -341,14 +338,10 @@ def train_exit_adapter(target, tokenizer, out_dir, exit_layer: int = 4, draft_vo
             intermediate_size=text.intermediate_size if mlp else 0,
             rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6), vocab_size=text.vocab_size, draft_vocab_size=size,
-            num_target_layers=text.num_hidden_layers, base_model_name_or_path=_target_id(target),
-        )).init_from_target(target, torch.arange(size) + d2t)
-    model.head.float()
-    model.train()
+            num_target_layers=text.num_hidden_layers, base_model_name_or_path=_target_id(target))
 
-    metrics = train(model, exit_adapter_loss, data, out, config or TrainConfig(), save_model=_half_copy(save_dtype),
-                    progress=progress)
-    return ExitAdapter.from_pretrained(out / "final").bind_target(target), metrics
+    return _train_posthoc(ExitAdapter, build, target, draft_vocab, shards, data, out,
+                          lambda m, in_draft, b: exit_adapter_loss(m, b), config, init_from, save_dtype, progress)
 
 
 def train_layerskip(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384,
