@@ -251,6 +251,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         t0 = time.perf_counter()
         past = state.layout.length
         logits, state.hidden_states = target.verify(state, tree)  # [B, N, V]
+        state.tree_logits = logits
         prefixes = [state.prefix(b) for b in range(state.batch_size)]
         result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
                         typical=typical)

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-BUILTIN_MODULES = ("prompt_lookup", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
+BUILTIN_MODULES = ("prompt_lookup", "suffix", "lookahead", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
 
@@ -314,7 +314,12 @@ def build_proposer(method: str, model, **opts):
     resolved = record.resolve(opts)
     if record.drafter is not None:
         resolved["drafter"] = load_drafter(record, resolved["drafter"], model, resolved)
-    return record.build(model, resolved)
+    proposer = record.build(model, resolved)
+    if resolved.get("hybrid") is not None:  # a model drafter with a drafter-free source (proposers/hybrid.py)
+        from .proposers.hybrid import wrap
+
+        proposer = wrap(proposer, resolved["hybrid"])
+    return proposer
 
 
 def parse_spec(spec: str) -> tuple[Method, dict]:

@@ -26,6 +26,8 @@ class DecodingState:
         layout: the target cache's columns (:class:`~hf_specdec.cache.CacheLayout`); ``root_positions [B]`` the
             position id of each row's root.
         hidden_states: the target hidden states of the last forward (the indices the proposer asked for).
+        tree_logits: ``[B, N, V]`` the target's raw logits at every node of the tree just verified (set before
+            :meth:`Proposer.commit`; lookahead decoding harvests n-grams from the nodes that were not kept).
         cost_model: measured target forward costs (:class:`~hf_specdec.costs.ForwardCostModel`).
         processors: the call's logits processors and warpers (apply them with :meth:`process`).
     """
@@ -50,6 +52,7 @@ class DecodingState:
         self.layout: CacheLayout | None = None
         self.cache = None
         self.hidden_states = None
+        self.tree_logits: torch.Tensor | None = None
         self.processors = logits_processor
         self._row_independent = all(_is_row_independent(p) for p in logits_processor)
 

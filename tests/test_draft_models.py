@@ -97,7 +97,7 @@ def test_demo_takes_trained_drafter_folders(tmp_path):
     MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=96, medusa_num_heads=2)).save_pretrained(tmp_path / "medusa")
     methods = available_demo_methods(target, eagle3=str(tmp_path / "eagle3"), dflash=str(tmp_path / "dflash"),
                                      medusa=str(tmp_path / "medusa"), drafter=tmp_path / "student")
-    assert set(methods) == {"prompt_lookup", "eagle3", "dflash", "assisted", "medusa", "layerskip"}
+    assert set(methods) == {"prompt_lookup", "suffix", "lookahead", "eagle3", "dflash", "assisted", "medusa", "layerskip"}
     ids, _ = prompts(1, 8)
     ref = target.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
     for name, opts in methods.items():

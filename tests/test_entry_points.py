@@ -43,7 +43,7 @@ def test_every_method_has_a_folder():
         assert (REPO / "hf_specdec" / method).resolve() == folder.resolve()
 
 
-@pytest.mark.parametrize("method", ["prompt_lookup", "assisted"])
+@pytest.mark.parametrize("method", ["prompt_lookup", "assisted", "suffix"])
 def test_repo_relative_folder_positional_and_keyword(target, drafter, method, monkeypatch):
     monkeypatch.chdir(REPO)
     ids, mask = prompts(1, 12)
@@ -154,6 +154,19 @@ def test_pipeline_single_and_batched(target, drafter):
     with pytest.raises(ValueError, match="draft_length_schedule"):  # proves the call went through hf_specdec
         pipe(texts[0], **kw, custom_generate=hf_specdec.custom_generate_path("prompt_lookup"),
              trust_remote_code=True, draft_length_schedule="bogus")
+
+
+def test_pipeline_suffix_with_a_shared_cache(target):
+    pipe, tok = _pipe(target)
+    texts = ["abcdefabcdef", "hello world! hello", "xyz"]
+    kw = dict(max_new_tokens=10, do_sample=False, return_full_text=False)
+    ref = pipe(texts, batch_size=3, **kw)
+    cache = hf_specdec.SuffixCache(max_sequences=16)
+    for _ in range(2):  # the second round drafts from the first round's outputs
+        out = pipe(texts, batch_size=3, **kw, custom_generate=hf_specdec.custom_generate_path("suffix"),
+                   trust_remote_code=True, suffix_cache=cache)
+        assert out == ref
+    assert cache.num_sequences == 6
 
 
 def test_pipeline_assistant_at_construction(target, drafter):

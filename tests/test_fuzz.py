@@ -42,6 +42,7 @@ from transformers import (
 )
 
 import hf_specdec
+from hf_specdec import SuffixCache
 from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
 from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
 from hf_specdec.modeling.layerskip import ExitAdapter, ExitAdapterConfig
@@ -265,7 +266,10 @@ def build_mtp(target_spec: TargetSpec, draft_vocab: int, parallel: int, seed: in
 # what each test case runs: every built-in method, EAGLE-3 with its two draft shapes
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
             "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa",
-            "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp", "mtp_parallel": "mtp"}
+            "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp", "mtp_parallel": "mtp", "suffix": "suffix",
+            "lookahead": "lookahead"}
+HYBRID_VARIANTS = ("assisted", "eagle3_tree", "eagle3_chain", "dflash", "medusa_tree", "medusa_chain", "mtp_chain",
+                   "mtp_tree", "mtp_parallel")  # the methods with a hybrid= option
 DRIVABLE_ONLY = ("layerskip", "mtp_chain", "mtp_tree", "mtp_parallel")  # need a decoder-layer family (not GPT-2)
 
 
@@ -320,6 +324,22 @@ def method_options(draw, variant: str, spec: TargetSpec):
     if variant == "prompt_lookup":
         opts.update(prompt_lookup_num_tokens=draw(st.sampled_from([None, 1, 3, 8])),
                     max_matching_ngram_size=draw(st.sampled_from([None, 1, 2, 4])))
+    elif variant == "lookahead":  # W, N, G; a window of 1 and n-grams of 2 (plain Jacobi) included
+        opts.update(window_size=draw(st.sampled_from([None, 1, 2, 4])),
+                    ngram_size=draw(st.sampled_from([None, 2, 3, 5])),
+                    guess_set_size=draw(st.sampled_from([None, 0, 1, 3])),
+                    pool_from_prompt=draw(st.sampled_from([None, True, False])))
+    elif variant == "suffix":
+        opts.update(max_spec_tokens=draw(st.sampled_from([None, 1, 4, 12])),
+                    use_tree_spec=draw(st.sampled_from([None, False])),
+                    min_token_prob=draw(st.sampled_from([None, 0.0, 0.3])),
+                    max_spec_factor=draw(st.sampled_from([None, 0.5, 2.0])),
+                    max_tree_depth=draw(st.sampled_from([None, 2, 6])))
+        if draw(st.booleans()):  # a cache with earlier outputs of random sequences of this vocabulary
+            cache = SuffixCache(max_sequences=draw(st.integers(1, 4)), max_tokens=draw(st.integers(1, 64)))
+            for _ in range(draw(st.integers(0, 3))):
+                cache.add(draw(st.lists(st.integers(0, spec.vocab - 1), min_size=0, max_size=20)))
+            opts["suffix_cache"] = cache
     elif variant == "assisted":
         # the target itself (every draft accepted), or another tiny model with the same vocabulary
         if draw(st.sampled_from(["self", "other"])) == "self":
@@ -389,8 +409,10 @@ def method_options(draw, variant: str, spec: TargetSpec):
         else:
             opts.update(tree_top_k=draw(st.integers(1, 3)), tree_depth=draw(st.integers(1, 3)),
                         tree_total_tokens=draw(st.sampled_from([None, 2, 4, 7])))
-    else:
+    elif variant not in ("suffix", "prompt_lookup"):
         raise ValueError(variant)
+    if variant in HYBRID_VARIANTS:  # now and then with a drafter-free source in the same proposals
+        opts["hybrid"] = draw(st.sampled_from([None, None, "suffix", "prompt_lookup"]))
     return {k: v for k, v in opts.items() if v is not None}
 
 

@@ -190,7 +190,7 @@ def _mtp_module(model, parallel=False):
 
 @pytest.mark.parametrize("method", ["assisted", "assisted_draft_vocab", "prompt_lookup", "sampled_tree", "topk_tree", "eagle3_tree",
                                     "eagle3_chain", "dflash", "medusa", "layerskip", "layerskip_adapter", "mtp_chain",
-                                    "mtp_parallel"])
+                                    "mtp_parallel", "suffix", "assisted_hybrid", "lookahead"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
     if method == "assisted":
@@ -203,6 +203,15 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
     elif method == "prompt_lookup":
         custom = hf_specdec.decoding_method("prompt_lookup", draft_length_schedule="constant",
                                             max_matching_ngram_size=1)
+    elif method == "lookahead":  # window and pool n-grams: deterministic drafts, several siblings at the root
+        custom = hf_specdec.decoding_method("lookahead", draft_length_schedule="constant", window_size=2,
+                                            ngram_size=3, guess_set_size=2)
+    elif method == "suffix":  # a tree of continuations, from this call and the earlier ones (a shared cache)
+        custom = hf_specdec.decoding_method("suffix", draft_length_schedule="constant",
+                                            suffix_cache=hf_specdec.SuffixCache(max_sequences=64))
+    elif method == "assisted_hybrid":  # sampled drafts and copied ones (point masses) in one batch
+        drafter = tiny_model("llama", seed=5, vocab=V, hidden=16, scale=1.5)
+        custom = hf_specdec.decoding_method("assisted", drafter=drafter, num_speculative_tokens=2, hybrid="suffix")
     elif method == "sampled_tree":
         custom = hf_specdec.decoding_method(SampledTree())
     elif method == "eagle3_tree":

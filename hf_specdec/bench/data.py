@@ -1,5 +1,7 @@
-"""Benchmark prompt sets, all offline: MT-bench, HumanEval, GSM8K (vendored, see data/NOTICE.md) and a copy-heavy
-set built from the standard library (and the Lee news corpus when gensim is installed)."""
+"""Benchmark prompt sets, all offline: MT-bench, HumanEval, GSM8K (vendored, see data/NOTICE.md), a copy-heavy
+set built from the standard library (and the Lee news corpus when gensim is installed), and a repeating-structure
+set (the same instructions over many standard-library functions: requests that repeat the structure of earlier
+ones, where a cache of earlier outputs helps)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
-DATASETS = ("mtbench", "humaneval", "gsm8k", "copy")
+DATASETS = ("mtbench", "humaneval", "gsm8k", "copy", "repeat")
 
 
 @dataclass
@@ -121,12 +123,32 @@ def copy_heavy(seed: int = 0, count: int = 40) -> list[Prompt]:
     return prompts
 
 
-LOADERS = {"mtbench": mtbench, "humaneval": humaneval, "gsm8k": gsm8k, "copy": copy_heavy}
+_REPEAT_INSTRUCTIONS = (
+    "Describe the following Python function as a JSON object with exactly these keys, in this order: \"name\", "
+    "\"arguments\" (a list of the argument names), \"returns\" (what it returns, in a few words), \"raises\" (a "
+    "list of the exceptions it may raise) and \"summary\" (one sentence). Output the JSON object and nothing else.",
+    "Add a Google-style docstring (a one-line summary, then Args:, Returns: and Raises: sections) to the following "
+    "Python function. Output the complete function with its docstring and nothing else.",
+)
+
+
+def repeating(seed: int = 0, count: int = 40) -> list[Prompt]:
+    """The same two instructions (a JSON description; a docstring added) alternating over standard-library
+    functions: each request repeats the structure of the earlier ones (an agentic or batch-processing workload)."""
+    prompts = []
+    for i, (src, _, _) in enumerate(_stdlib_functions(seed + 1, count)):
+        kind = i % len(_REPEAT_INSTRUCTIONS)
+        prompts.append(Prompt("repeat", f"{('json', 'docstring')[kind]}{i}",
+                              f"{_REPEAT_INSTRUCTIONS[kind]}\n```python\n{src}\n```"))
+    return prompts
+
+
+LOADERS = {"mtbench": mtbench, "humaneval": humaneval, "gsm8k": gsm8k, "copy": copy_heavy, "repeat": repeating}
 
 
 def load(dataset: str, limit: int | None = None, seed: int = 0) -> list[Prompt]:
-    """The first ``limit`` prompts of a set (GSM8K and the copy set are seeded draws already)."""
+    """The first ``limit`` prompts of a set (GSM8K, the copy and the repeating sets are seeded draws already)."""
     if dataset not in LOADERS:
         raise ValueError(f"Unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}.")
-    prompts = LOADERS[dataset]() if dataset != "copy" else copy_heavy(seed)
+    prompts = LOADERS[dataset](seed) if dataset in ("copy", "repeat") else LOADERS[dataset]()
     return prompts[:limit] if limit else prompts

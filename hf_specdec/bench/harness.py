@@ -176,6 +176,7 @@ class BenchMethod:
     oracle_k: int | None = None
     hf_specdec: bool = False  # returns speculative_stats
     context: object = None  # a context manager factory ``f(model)`` around its generate call
+    caches: tuple = ()  # SuffixCaches it shares across calls: emptied after the warm-up and at each prompt set
 
 
 BASELINES = ("plain", "plain_kernels", "oracle:K", "hf_prompt_lookup:K", "hf_assisted", "hf_early_exit:E")
@@ -234,7 +235,9 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
     lists them: e.g. ``eagle3:2-3-4``, ``eagle3_chain:3``, ``dflash_fixed:8``, ``prompt_lookup:prompt_lookup_num_tokens=8``),
     or a baseline: ``plain`` (always run), ``plain_kernels`` (plain greedy decoding with the loop's CPU kernel trick),
     ``oracle:K``, ``hf_prompt_lookup:K``, ``hf_assisted``, ``hf_early_exit:E`` (transformers'
-    ``assistant_early_exit=E``). ``drafters`` gives a method's drafter (a module) by its
+    ``assistant_early_exit=E``). ``suffix_cache=shared`` / ``hybrid=shared`` give the method one
+    :class:`~hf_specdec.SuffixCache` for all its calls of a prompt set (emptied after the warm-up and when the next
+    set starts, so a prompt only ever drafts from the outputs of earlier prompts). ``drafters`` gives a method's drafter (a module) by its
     CLI flag, which is the method's name unless its record says otherwise (``drafter`` for ``assisted``; it is also
     the draft model of ``hf_assisted``).
     """
@@ -256,7 +259,15 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
             if module is None and record.drafter.required:
                 raise ValueError(f"method {name!r} needs --{flag}" + (" <drafter>" if flag != "drafter" else ""))
             opts["drafter"] = module
-        methods.append(BenchMethod(name, {"custom_generate": decoding_method(record.name, **opts)}, hf_specdec=True))
+        caches = []
+        for key in ("suffix_cache", "hybrid"):  # KEY=shared: one SuffixCache across this method's calls
+            if opts.get(key) == "shared":
+                from ..proposers.suffix import SuffixCache
+
+                opts[key] = SuffixCache()
+                caches.append(opts[key])
+        methods.append(BenchMethod(name, {"custom_generate": decoding_method(record.name, **opts)}, hf_specdec=True,
+                                   caches=tuple(caches)))
     return methods
 
 
@@ -413,6 +424,9 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     try:
         with whole_run_load():  # "on": one load process for every timed round
             for ds, plist in prompts.items():
+                for m in methods:  # a prompt set starts with empty cross-call caches
+                    for cache in m.caches:
+                        cache.clear()
                 for i in range(0, len(plist), batch_size):
                     batch = plist[i:i + batch_size]
                     enc = _encode(tokenizer, [p.text for p in batch], device)

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..costs import RecentMinimum
+from ..tree import DraftTree
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..state import DecodingState
-    from ..tree import DraftTree
     from ..verify import AcceptResult
 
 
@@ -145,3 +146,42 @@ class Proposer:
 
     def end(self, state: "DecodingState") -> None:
         """Called once when the generate call finishes."""
+
+
+@dataclass
+class RowDraft:
+    """One row's candidate: ``tokens`` with ``parents`` (``0`` = the root, ``i`` = the ``i``-th draft), best first;
+    ``reach[i]``: the estimated probability that draft ``i`` is accepted (calibrated); ``key``: what the proposer
+    learns from its outcome."""
+
+    tokens: list[int]
+    parents: list[int]
+    reach: list[float]
+    key: object = None
+
+    @property
+    def expected(self) -> float:
+        """Expected committed tokens when verified (the target's own token included)."""
+        return 1.0 + sum(self.reach)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(len(self.tokens)))
+
+
+def tree_from_row_drafts(state, drafts: list[RowDraft | None]) -> DraftTree | None:
+    """The draft tree of per-row candidates (``None``: no drafts), a chain tree when every row's is a chain."""
+    rows = [d if d is not None and d.tokens else None for d in drafts]
+    if not any(rows):
+        return None
+    roots = state.roots()
+    if all(d is None or d.is_chain for d in rows):
+        width = max(len(d.tokens) for d in rows if d is not None)
+        padded = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, d in enumerate(rows):
+            if d is not None:
+                padded[b, : len(d.tokens)] = torch.tensor(d.tokens)
+        counts = torch.tensor([len(d.tokens) if d is not None else 0 for d in rows])
+        return DraftTree.chain(roots, padded.to(state.device), counts.to(state.device))
+    return DraftTree.from_rows(roots, [d.tokens if d is not None else [] for d in rows],
+                               [d.parents if d is not None else [] for d in rows])

@@ -18,13 +18,14 @@ import time
 import torch
 
 from .. import cache as cache_ops
-from ..default_model import MODEL_ID as SMOLLM2
-from ..costs import best_count
 from ..conversions.dflash import LAYOUTS, convert_dflash
+from ..costs import best_count
+from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
 from .features import FeatureDrafterProposer
+from .hybrid import HYBRID
 
 
 class DFlashProposer(FeatureDrafterProposer):
@@ -175,6 +176,7 @@ METHOD = Method(
     options=(
         Option("block_size", int, None, "block positions drafted (default: the drafter's block size)"),
         SCHEDULE,
+        HYBRID,
     ),
     drafter=DrafterSpec.published(
         DFlashDrafter, convert_dflash, LAYOUTS,

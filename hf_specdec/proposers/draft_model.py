@@ -15,6 +15,7 @@ from ..draft_models import VOCAB_KEY, load_draft_model
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree, build_attention_mask
 from .base import Proposer, next_draft
+from .hybrid import HYBRID
 
 CONSTANT_TOKENS = 5  # the draft length of draft_length_schedule="constant" when num_speculative_tokens is not given
 MAX_TOKENS = 12  # the longest draft the adaptive length may choose
@@ -178,7 +179,9 @@ class DraftModelProposer(Proposer):
             drafts.append(nxt)
         self.fed = k  # the root and drafts[:k-1] were added beyond the committed columns
         drafts_t = torch.stack(drafts, dim=1)
+        self.fed_tokens = torch.cat([roots[:, None], drafts_t[:, :k - 1]], dim=1)
         counts = torch.tensor(budgets, device=state.device).clamp(max=k)
+        self.counts = counts.tolist()
         draft_probs = torch.stack(probs, dim=1) if probs else None
         return DraftTree.chain(roots, drafts_t, counts, draft_probs)
 
@@ -186,12 +189,18 @@ class DraftModelProposer(Proposer):
         fed, self.fed = self.fed, 0
         if fed == 0:
             return
-        past = state.layout.length - max(len(p) for p in result.paths)  # columns before this step
-        proposed = (tree.valid.sum(1) - 1).tolist()
+        layout = state.layout
+        past = layout.length - max(len(p) for p in result.paths)  # columns before this step
         for b, n_acc in enumerate(result.num_accepted):
-            if result.paths[b] and proposed[b] > 0:
-                self.estimator.update("all", proposed[b], n_acc)
-        keep = min(fed, state.layout.length - past)
+            if result.paths[b] and self.counts[b] > 0:  # rows that verified this drafter's drafts
+                self.estimator.update("all", self.counts[b], n_acc)
+        keep = min(fed, layout.length - past)
+        if keep:  # the drafter's columns hold what was committed (or a hole) only up to the first other token
+            cols = slice(past, past + keep)
+            same = ~layout.valid[:, cols] | (layout.tokens[:, cols] == self.fed_tokens[:, :keep].to(layout.tokens.device))
+            differs = (~same.all(0)).nonzero()
+            if differs.numel():
+                keep = int(differs[0])
         self.synced = past + keep
         cache_ops.crop(self.cache, self.synced)
 
@@ -231,6 +240,7 @@ METHOD = Method(
                f"fixed draft length (default: chosen per step from measured costs, up to {MAX_TOKENS}; {CONSTANT_TOKENS} with "
                "draft_length_schedule='constant')"),
         SCHEDULE,
+        HYBRID,
         Option("draft_vocab", object, None,
                "target token ids the drafter may draft (default: the draft vocabulary saved with it; 'full': all)"),
     ),

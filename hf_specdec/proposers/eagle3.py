@@ -21,13 +21,13 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
-from ..default_model import MODEL_ID as SMOLLM2
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3
+from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.eagle3 import Eagle3Drafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree, build_attention_mask
 from .features import FeatureDrafterProposer
-
+from .hybrid import HYBRID
 
 # The dynamic tree's defaults per device type of the target: the reference's on accelerators; on a CPU a forward
 # over 5+ tokens costs much more than over 4 and every depth is a drafter forward on the critical path, so a small
@@ -319,6 +319,7 @@ METHOD = Method(
                f"CPU {TREE_DEFAULTS['cpu']['total_tokens']})"),
         Option("num_speculative_tokens", int, None, "draft a chain of this length instead of a tree"),
         SCHEDULE,
+        HYBRID,
     ),
     drafter=DrafterSpec.published(
         Eagle3Drafter, convert_eagle3, LAYOUTS,

@@ -34,6 +34,7 @@ from ..modeling.medusa import MedusaHeads
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
 from .features import FeatureDrafterProposer
+from .hybrid import HYBRID
 
 # The reference's default tree for a 7B target (FasterDecoding/Medusa ``medusa/model/medusa_choices.py``), in its
 # published order (most valuable paths first, every path after its parent).
@@ -235,6 +236,7 @@ METHOD = Method(
         Option("posterior_threshold", float, TYPICAL["posterior_threshold"], "typical acceptance: epsilon"),
         Option("posterior_alpha", float, TYPICAL["posterior_alpha"], "typical acceptance: delta (entropy factor)"),
         SCHEDULE,
+        HYBRID,
     ),
     drafter=DrafterSpec.published(
         MedusaHeads, convert_medusa, LAYOUTS,

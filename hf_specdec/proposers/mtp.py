@@ -36,6 +36,7 @@ from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
 from .eagle3 import Eagle3Proposer, default_tree
 from .features import FeatureDrafterProposer
+from .hybrid import HYBRID
 
 DEFAULT_TOKENS = 3  # the chain's length: the speed target's chain of 3
 logger = logging.getLogger("hf_specdec")
@@ -203,6 +204,7 @@ METHOD = Method(
         Option("tree_depth", int, None, "a dynamic tree: its depth (default by device as eagle3's)"),
         Option("tree_total_tokens", int, None, "a dynamic tree: its size, root included"),
         SCHEDULE,
+        HYBRID,
     ),
     drafter=DrafterSpec(
         doc="an MTP module",

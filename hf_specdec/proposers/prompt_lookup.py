@@ -6,8 +6,7 @@ import torch
 
 from ..costs import AcceptanceEstimator, best_draft_length
 from ..registry import SCHEDULE, Method, Option
-from ..tree import DraftTree
-from .base import Proposer
+from .base import Proposer, RowDraft, tree_from_row_drafts
 
 NUM_TOKENS = Option("prompt_lookup_num_tokens", int, 20, "the most drafts per step")
 MAX_NGRAM = Option("max_matching_ngram_size", int, 5, "the longest suffix n-gram matched")
@@ -58,54 +57,55 @@ class PromptLookupProposer(Proposer):
     def begin(self, state) -> None:
         self.estimator = AcceptanceEstimator(prior_alpha=0.35, prior_weight=2.0, decay=0.9)
         self.streak = [False] * state.batch_size
-        self.keys: list = [None] * state.batch_size
+        self.pending: list = [None] * state.batch_size
 
     @staticmethod
     def _prior(key) -> float:
         n, streak = key
         return 0.75 if streak else {1: 0.2, 2: 0.35}.get(n, 0.5)
 
-    def propose(self, state):
-        bsz = state.batch_size
-        drafts: list[list[int]] = [[] for _ in range(bsz)]
-        for b in range(bsz):
-            self.keys[b] = None
+    def row_drafts(self, state) -> list:
+        """Each row's candidate (:class:`~hf_specdec.proposers.suffix.RowDraft`, ``None``: no draft), cut to the
+        length that pays when adaptive."""
+        drafts = []
+        for b in range(state.batch_size):
             budget = min(state.max_drafts[b], self.num_tokens)
-            if budget <= 0:
-                continue
-            n, cont = find_continuation(state.row_tokens(b), self.max_ngram, self.min_ngram, budget)
-            if n == 0 or cont.numel() == 0:
-                continue
-            if state.eos_token_ids:  # a draft past an end-of-sequence token can never be used
+            n, cont = find_continuation(state.row_tokens(b), self.max_ngram, self.min_ngram, budget) if budget > 0 \
+                else (0, None)
+            if n and state.eos_token_ids and cont.numel():  # a draft past an end-of-sequence token is never used
                 stops = torch.isin(cont, cont.new_tensor(state.eos_token_ids)).nonzero()
                 if stops.numel():
                     cont = cont[: int(stops[0])]
-                    if cont.numel() == 0:
-                        continue
-            k = cont.numel()
+            if n == 0 or cont.numel() == 0:
+                drafts.append(None)
+                continue
+            k, key, alpha = cont.numel(), None, 1.0
             if self.adaptive:
                 key = (n, self.streak[b])
-                k = best_draft_length(self.estimator.alpha(key, self._prior(key)), k, state.cost_model)
-                self.keys[b] = key
-            drafts[b] = cont[:k].tolist()
-        width = max(len(d) for d in drafts)
-        if width == 0:
-            return None
-        padded = torch.zeros(bsz, width, dtype=torch.long, device=state.device)
-        for b, d in enumerate(drafts):
-            if d:
-                padded[b, : len(d)] = torch.tensor(d, device=state.device)
-        counts = torch.tensor([len(d) for d in drafts], device=state.device)
-        return DraftTree.chain(state.roots(), padded, counts)
+                alpha = self.estimator.alpha(key, self._prior(key))
+                k = best_draft_length(alpha, k, state.cost_model)
+            drafts.append(RowDraft(cont[:k].tolist(), list(range(k)), [alpha ** (i + 1) for i in range(k)], key)
+                          if k else None)
+        return drafts
+
+    def propose(self, state):
+        self.pending = self.row_drafts(state)
+        return tree_from_row_drafts(state, self.pending)
 
     def commit(self, state, tree, result) -> None:
-        proposed = (tree.valid.sum(1) - 1).tolist()
+        self.learn(self.pending, result)
+        self.pending = [None] * state.batch_size
+
+    def learn(self, drafts: list, result) -> None:
+        """Update the acceptance statistics with what the verification of ``drafts`` (one per row) accepted."""
         for b, n_acc in enumerate(result.num_accepted):
             if not result.paths[b]:
                 continue
-            if self.keys[b] is not None:
-                self.estimator.update(self.keys[b], proposed[b], n_acc)
-            self.streak[b] = proposed[b] > 0 and n_acc == proposed[b]
+            d = drafts[b]
+            proposed = len(d.tokens) if d is not None else 0
+            if d is not None and d.key is not None:
+                self.estimator.update(d.key, proposed, n_acc)
+            self.streak[b] = proposed > 0 and n_acc == proposed
 
 
 METHOD = Method(

@@ -1,6 +1,8 @@
-"""Suffix decoding (SuffixDecoding, Oliaro et al.; ArcticInference): drafts from a suffix index of token sequences.
+"""Suffix decoding (SuffixDecoding, Oliaro et al.; ArcticInference): drafts from suffix indexes of token sequences.
 
-This module holds the index; the proposer and its registry record follow (issue 19).
+Three pieces: :class:`SuffixIndex` (the structure), :class:`SuffixCache` (earlier outputs kept across ``generate``
+calls, bounded, thread-safe; the user creates one and passes ``suffix_cache=``) and :class:`SuffixProposer` (the
+method: every row matches its own prompt + output and the cache, and drafts the better candidate).
 
 :class:`SuffixIndex` is a depth-bounded suffix trie over many sequences (ArcticInference's ``SuffixTree`` without
 its path compression): it holds every substring of length ``<= max_depth`` of the indexed sequences, and a node's
@@ -12,15 +14,25 @@ its path compression): it holds every substring of length ``<= max_depth`` of th
 ends in, moving to a child with probability ``count(child) / count(node)`` (the running product is each draft's
 probability), either along the most frequent child (a path) or best-first over every child whose probability is at
 least ``min_prob`` (a tree); the draft with the highest ``score`` (the sum of its tokens' probabilities: the expected
-number of accepted tokens if they were right that often) wins, ties going to the longer match.
+number of accepted tokens if they were right that often) wins, ties going to the longer match. Only some match
+lengths are tried (:meth:`SuffixIndex.speculate`).
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
+import threading
 from dataclasses import dataclass, field
+
+from ..costs import best_count
+from ..registry import SCHEDULE, Method, Option, Shorthand
+from .base import Proposer, RowDraft, tree_from_row_drafts
+
+
+_MATCH_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # tried below the longest match
 
 
 class _Node:
@@ -117,21 +129,36 @@ class SuffixIndex:
 
     def speculate(self, context, max_tokens: int, alpha: float = 1.0, offset: float = 0.0, min_prob: float = 0.1,
                   tree: bool = False) -> SuffixDraft:
-        """The best draft continuing ``context`` (see the module docstring); an empty draft when nothing matches."""
+        """The best draft continuing ``context`` (see the module docstring); an empty draft when nothing matches.
+
+        The match lengths tried are the longest one and 1, 2, 3, 4, 6, 8, 12, ... below it (every length up to 4),
+        not each one: a draft from a match is usually close to one from a match a few tokens longer, and each
+        candidate costs a tree expansion."""
         best = SuffixDraft()
         context = [int(t) for t in context[-(self.max_depth - 1):]]
-        for m in range(1, len(context) + 1):
-            node = self._walk(context[-m:])
-            if node is None or node.count == 0:
-                break
+        longest = self._longest_match(context)
+        for m in sorted({longest} | {m for m in _MATCH_LENGTHS if m < longest}, reverse=True):  # ties: longer
             budget = min(max_tokens, math.floor(m * alpha + offset + 1e-6), self.max_depth - m)
-            if budget <= 0:
+            if budget <= 0 or budget <= best.score:  # a draft of `budget` tokens scores at most `budget`
                 continue
+            node = self._walk(context[-m:])
             draft = self._tree(node, budget, min_prob) if tree else self._path(node, budget, min_prob)
             draft.match_len = m
-            if draft.tokens and draft.score >= best.score:
+            if draft.tokens and draft.score > best.score:
                 best = draft
         return best
+
+    def _longest_match(self, context: list[int]) -> int:
+        """The longest tail of ``context`` the index holds (every shorter tail of a held one is held too)."""
+        lo, hi = 0, len(context)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            node = self._walk(context[-mid:])
+            if node is not None and node.count > 0:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     @staticmethod
     def _path(node: _Node, budget: int, min_prob: float) -> SuffixDraft:
@@ -152,7 +179,8 @@ class SuffixIndex:
     def _tree(node: _Node, budget: int, min_prob: float) -> SuffixDraft:
         draft = SuffixDraft()
         tie = itertools.count()  # heap order for equal probabilities: first pushed first
-        heap = [(-(c.count / node.count), next(tie), t, c, -1) for t, c in node.children.items()]
+        heap = [(-(c.count / node.count), next(tie), t, c, -1) for t, c in node.children.items()
+                if c.count >= min_prob * node.count - 1e-9]
         heapq.heapify(heap)
         while heap and len(draft.tokens) < budget:
             neg, _, token, child, parent = heapq.heappop(heap)
@@ -163,7 +191,313 @@ class SuffixIndex:
             draft.parents.append(parent)
             draft.probs.append(prob)
             here = len(draft.tokens) - 1
+            floor = min_prob * child.count / prob  # children counted less than this fall under the floor
             for t, c in child.children.items():
-                heapq.heappush(heap, (-(prob * c.count / child.count), next(tie), t, c, here))
+                if c.count >= floor - 1e-9:
+                    heapq.heappush(heap, (-(prob * c.count / child.count), next(tie), t, c, here))
         draft.score = sum(draft.probs)
         return draft
+
+
+class SuffixCache:
+    """Token sequences kept across ``generate`` calls for suffix decoding: the outputs of earlier calls (and of
+    concurrent ones, as they are generated), plus any corpus you add (a REST-style datastore).
+
+    Pass the same object to every call that should learn from the others: ``generate(..., suffix_cache=cache)``.
+    The memory is bounded: when more than ``max_sequences`` sequences or ``max_tokens`` tokens are held, the oldest
+    sequences are evicted first (``pinned`` ones never); a sequence that alone would pass ``max_tokens`` stops
+    growing at the bound. The index holds every substring of up to ``max_depth`` tokens, so its nodes number at
+    most ``max_depth`` per token held.
+
+    Thread-safe: every read and write takes the cache's lock, so concurrent ``generate`` calls (threads) may share
+    one cache; each call's rows see the others' outputs as they grow.
+
+    Args:
+        max_sequences: the most sequences held (outputs and added ones together).
+        max_tokens: the most tokens held.
+        max_depth: the longest substring indexed (the matched context plus the draft).
+
+    Example:
+        >>> from hf_specdec.proposers.suffix import SuffixCache
+        >>> cache = SuffixCache(max_sequences=256)
+        >>> # out = model.generate(**inputs, custom_generate="hf_specdec/suffix", trust_remote_code=True,
+        >>> #                      suffix_cache=cache)   # later calls draft from this call's output
+        >>> _ = cache.add([1, 2, 3, 4], pinned=True)     # or index a corpus once (token ids)
+        >>> cache.num_sequences, cache.num_tokens
+        (1, 4)
+    """
+
+    def __init__(self, max_sequences: int = 10_000, max_tokens: int = 2_000_000, max_depth: int = 64):
+        for name, value in (("max_sequences", max_sequences), ("max_tokens", max_tokens)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SuffixCache: {name} must be an integer >= 1, got {value!r}.")
+        self.max_sequences, self.max_tokens = max_sequences, max_tokens
+        self.index = SuffixIndex(max_depth)
+        self._order: collections.OrderedDict = collections.OrderedDict()  # id -> pinned, oldest first
+        self._lengths: dict[int, int] = {}
+        self._closed: set[int] = set()  # evicted while still being written: later tokens are dropped
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self.evictions = 0
+
+    @property
+    def max_depth(self) -> int:
+        return self.index.max_depth
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._order)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self._lengths.values())
+
+    def add(self, tokens, pinned: bool = False) -> int:
+        """Index a finished sequence of token ids (a document, an earlier answer); returns its id. ``pinned``: never
+        evicted (a ``ValueError`` when pinned sequences alone would pass the bounds)."""
+        tokens = [int(t) for t in tokens]
+        with self._lock:
+            if pinned:
+                held = sum(self._lengths[i] for i, p in self._order.items() if p)
+                count = sum(self._order.values())
+                if held + len(tokens) > self.max_tokens or count + 1 > self.max_sequences:
+                    raise ValueError(f"SuffixCache: pinned sequences would hold {held + len(tokens)} tokens / "
+                                     f"{count + 1} sequences, over max_tokens={self.max_tokens} / "
+                                     f"max_sequences={self.max_sequences}.")
+            seq_id = self.open(pinned)
+            self.extend(seq_id, tokens)
+            return seq_id
+
+    def add_texts(self, tokenizer, texts, pinned: bool = True) -> list[int]:
+        """Index documents (strings) with ``tokenizer``, no special tokens: a static datastore to draft from."""
+        return [self.add(tokenizer(t, add_special_tokens=False)["input_ids"], pinned=pinned) for t in texts]
+
+    def open(self, pinned: bool = False) -> int:
+        """A new, empty sequence (an output about to be generated); returns its id."""
+        with self._lock:
+            seq_id = next(self._ids)
+            self._order[seq_id] = pinned
+            self._lengths[seq_id] = 0
+            self._evict(keep=seq_id)
+            return seq_id
+
+    def extend(self, seq_id: int, tokens) -> None:
+        """Append ``tokens`` to sequence ``seq_id`` (dropped if it was evicted meanwhile)."""
+        with self._lock:
+            if seq_id not in self._order:
+                return
+            tokens = list(tokens)
+            self._lengths[seq_id] += len(tokens)
+            self._evict(keep=seq_id)
+            over = self.num_tokens - self.max_tokens
+            if over > 0:  # only this sequence (and pinned ones) left: it stops growing at the bound
+                self._lengths[seq_id] -= over
+                tokens = tokens[: len(tokens) - over]
+            self.index.extend(seq_id, tokens)
+
+    def _evict(self, keep: int) -> None:
+        while self.num_sequences > self.max_sequences or self.num_tokens > self.max_tokens:
+            victim = next((i for i, pinned in self._order.items() if not pinned and i != keep), None)
+            if victim is None:
+                return
+            del self._order[victim]
+            del self._lengths[victim]
+            self.index.remove(victim)
+            self.evictions += 1
+
+    def speculate(self, context, **kwargs) -> SuffixDraft:
+        """:meth:`SuffixIndex.speculate` under the lock."""
+        with self._lock:
+            return self.index.speculate(context, **kwargs)
+
+    def clear(self) -> None:
+        """Forget everything (pinned sequences too)."""
+        with self._lock:
+            for seq_id in list(self._order):
+                self.index.remove(seq_id)
+            self._order.clear()
+            self._lengths.clear()
+
+    def __repr__(self) -> str:
+        return (f"SuffixCache({self.num_sequences} sequences, {self.num_tokens} tokens; max_sequences="
+                f"{self.max_sequences}, max_tokens={self.max_tokens}, max_depth={self.max_depth})")
+
+
+_PRIOR = {1: 0.5, 2: 0.7, 3: 0.85, 4: 1.0, 8: 1.0}  # calibration of a bucket before anything was verified
+
+
+def _bucket(match_len: int) -> int:
+    """Calibration bucket of a match length: 1, 2, 3, 4-7, 8+."""
+    return match_len if match_len < 4 else (4 if match_len < 8 else 8)
+
+
+class SuffixProposer(Proposer):
+    """Suffix decoding: each row drafts from a suffix index of its own prompt and output and, when given, a
+    :class:`SuffixCache` of earlier outputs (the candidate with the higher score wins, ties to the row's own).
+
+    The draft for a context tail matched over ``m`` tokens has at most ``floor(max_spec_factor * m +
+    max_spec_offset)`` tokens; it follows the most frequent continuations (a tree, best first, or one path) while a
+    token's estimated probability stays at least ``min_token_prob``. Adaptive: those probabilities, calibrated per
+    match length by what was accepted, and the measured verification costs decide how many of the draft's tokens are
+    verified (none when no count pays), so text that repeats nothing runs at plain-decoding speed.
+
+    Args:
+        cache: a :class:`SuffixCache` shared across calls, or ``None`` (this call's own sequences only).
+        max_spec_tokens: the most drafts per step.
+        max_spec_factor, max_spec_offset: draft length per matched token and its offset.
+        min_token_prob: the probability floor of a drafted token.
+        max_depth: the longest substring the per-call index holds (the cache has its own).
+        tree: draft a tree of continuations (``False``: a single path).
+        adaptive: verify only the drafts that pay (``False``: all of them).
+    """
+
+    name = "suffix"
+
+    def __init__(self, cache: SuffixCache | None = None, max_spec_tokens: int = 32, max_spec_factor: float = 2.0,
+                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1, max_depth: int = 64, tree: bool = True,
+                 adaptive: bool = True):
+        if cache is not None and not isinstance(cache, SuffixCache):
+            raise ValueError(f"suffix_cache must be a hf_specdec.SuffixCache, got {type(cache).__name__}.")
+        if max_spec_tokens < 1:
+            raise ValueError(f"max_spec_tokens must be >= 1, got {max_spec_tokens}.")
+        if max_spec_factor <= 0:
+            raise ValueError(f"max_spec_factor must be > 0, got {max_spec_factor}.")
+        if not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {min_token_prob}.")
+        if max_depth < 2:
+            raise ValueError(f"max_tree_depth must be >= 2, got {max_depth}.")
+        self.cache = cache
+        self.max_spec_tokens, self.factor, self.offset = max_spec_tokens, max_spec_factor, max_spec_offset
+        self.min_prob, self.max_depth, self.tree, self.adaptive = min_token_prob, max_depth, tree, adaptive
+        self.max_nodes = max_spec_tokens + 1
+
+    def begin(self, state) -> None:
+        self.local = [SuffixIndex(self.max_depth) for _ in range(state.batch_size)]
+        for b, index in enumerate(self.local):
+            index.extend(0, state.row_tokens(b).tolist())
+        self.live = None
+        if self.cache is not None:
+            self.live = [self.cache.open() for _ in range(state.batch_size)]
+            for b, seq_id in enumerate(self.live):
+                self.cache.extend(seq_id, state.tokens[b, state.prompt_length:state.lengths[b]].tolist())
+        self.calibration: dict[tuple[str, int], float] = {}  # (source, match-length bucket) -> accepted / predicted
+        self.pending: list[RowDraft | None] = [None] * state.batch_size
+
+    def row_drafts(self, state) -> list[RowDraft | None]:
+        """Each row's candidate, cut to what pays (``None``: no draft): the drafts of its own index and of the cache
+        merged into one tree, every node scored by the higher of its calibrated probabilities."""
+        drafts: list[RowDraft | None] = []
+        depth = max(self.max_depth, self.cache.max_depth if self.cache is not None else 0)
+        for b in range(state.batch_size):
+            budget = min(state.max_drafts[b], self.max_spec_tokens)
+            if budget <= 0:
+                drafts.append(None)
+                continue
+            context = state.row_tokens(b)[-(depth - 1):].tolist()
+            opts = dict(max_tokens=budget, alpha=self.factor, offset=self.offset, min_prob=self.min_prob,
+                        tree=self.tree)
+            found = [("own", self.local[b].speculate(context, **opts))]
+            if self.cache is not None:
+                found.append(("cache", self.cache.speculate(context, **opts)))
+            drafts.append(self._candidate(state, found, budget))
+        return drafts
+
+    def _candidate(self, state, found: list[tuple[str, SuffixDraft]], budget: int) -> RowDraft | None:
+        eos = set(state.eos_token_ids or ())
+        nodes: dict[tuple, dict] = {}  # path of tokens -> node (a trie over both sources' drafts)
+        for source, draft in found:
+            if not draft.tokens:
+                continue
+            key = (source, _bucket(draft.match_len))
+            cal = self.calibration.setdefault(key, _PRIOR[key[1]])
+            paths: list[tuple] = []
+            for token, parent, prob in zip(draft.tokens, draft.parents, draft.probs):
+                path = (paths[parent] if parent >= 0 else ()) + (token,)
+                paths.append(path)
+                if token in eos or (len(path) > 1 and path[:-1] not in nodes):  # nothing after an end token
+                    continue
+                node = nodes.setdefault(path, {"reach": 0.0, "from": {}})
+                node["reach"] = max(node["reach"], prob * cal)
+                node["from"][key] = prob
+        if not nodes:
+            return None
+        # best first; a child is never likelier than its parent in its own source, so parents come first
+        order = sorted(nodes, key=lambda path: (-nodes[path]["reach"], len(path)))[:budget]
+        slot = {path: i + 1 for i, path in enumerate(order)}
+        reach = [nodes[path]["reach"] for path in order]
+        n = len(order)
+        if self.adaptive and state.cost_model is not None:
+            n = best_count([1.0 + r for r in itertools.accumulate(reach)], state.cost_model)
+        if n == 0:
+            return None
+        order = order[:n]
+        learned: dict = {}  # per source key: (its uncalibrated predicted sum, the slots it drafted)
+        for i, path in enumerate(order):
+            for key, prob in nodes[path]["from"].items():
+                total, slots = learned.get(key, (0.0, set()))
+                learned[key] = (total + prob, slots | {i + 1})
+        return RowDraft([path[-1] for path in order], [slot.get(path[:-1], 0) for path in order], reach[:n],
+                        learned)
+
+    def propose(self, state):
+        self.pending = self.row_drafts(state)
+        return tree_from_row_drafts(state, self.pending)
+
+    def commit(self, state, tree, result) -> None:
+        for b, new in enumerate(result.new_tokens):
+            if not new:
+                continue
+            self.local[b].extend(0, new)
+            if self.live is not None:
+                self.cache.extend(self.live[b], new)
+        self.learn(self.pending, result)
+        self.pending = [None] * state.batch_size
+
+    def learn(self, drafts: list[RowDraft | None], result) -> None:
+        """Calibrate each source's match-length buckets: the drafts of that source on the accepted path over the
+        sum of their estimated probabilities."""
+        for d, path in zip(drafts, result.paths):
+            if d is None or not isinstance(d.key, dict):
+                continue
+            kept = set(path[1:])
+            for key, (predicted, slots) in d.key.items():
+                ratio = min(max(len(kept & slots) / max(predicted, 1e-6), 0.05), 1.5)
+                self.calibration[key] = 0.85 * self.calibration[key] + 0.15 * ratio
+
+
+def _build(target, opts) -> SuffixProposer:
+    return SuffixProposer(cache=opts["suffix_cache"], max_spec_tokens=opts["max_spec_tokens"],
+                          max_spec_factor=float(opts["max_spec_factor"]),
+                          max_spec_offset=float(opts["max_spec_offset"]),
+                          min_token_prob=float(opts["min_token_prob"]), max_depth=opts["max_tree_depth"],
+                          tree=opts["use_tree_spec"], adaptive=opts["draft_length_schedule"] != "constant")
+
+
+METHOD = Method(
+    name="suffix",
+    summary="suffix trees over the prompt, the output and earlier outputs; a draft tree sized by the match",
+    description="Lossless suffix decoding (SuffixDecoding, Oliaro et al., 2025) for any causal LM in transformers: "
+                "every row keeps a suffix index of its prompt and output, and an optional `SuffixCache` you create "
+                "and pass to many calls (`suffix_cache=`) keeps earlier outputs (bounded, oldest evicted, "
+                "thread-safe). The longer the context tail matches, the longer the draft; continuations are scored "
+                "by how often they followed, and a tree of the likely ones is verified in one forward pass. The "
+                "measured verification costs decide how much of it pays, so text that repeats nothing runs at "
+                "plain-decoding speed. No drafter.",
+    build=_build,
+    options=(
+        Option("suffix_cache", object, None, "a hf_specdec.SuffixCache shared across calls (default: none, this "
+               "call's prompt and output only)"),
+        Option("max_spec_tokens", int, 32, "the most drafts per step"),
+        Option("max_spec_factor", (float, int), 2.0, "draft tokens per matched context token"),
+        Option("max_spec_offset", (float, int), 0.0, "added to the draft length of a match"),
+        Option("min_token_prob", (float, int), 0.1, "drafts estimated less likely than this are not proposed"),
+        Option("max_tree_depth", int, 64, "the longest substring indexed per call (matched context + draft)"),
+        Option("use_tree_spec", bool, True, "draft a tree of continuations (False: the most frequent path)"),
+        SCHEDULE,
+    ),
+    shorthands={
+        "suffix": Shorthand("K", lambda arg: {"max_spec_tokens": int(arg)} if arg else {}),
+        "suffix_path": Shorthand("K", lambda arg: {"use_tree_spec": False,
+                                                   **({"max_spec_tokens": int(arg)} if arg else {})}),
+    },
+)

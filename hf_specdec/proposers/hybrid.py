@@ -1,0 +1,188 @@
+"""Hybrid drafting: a model drafter and a drafter-free source (suffix decoding or prompt lookup) in one proposal.
+
+The ``hybrid=`` option of the model-drafter methods (EAGLE-3, DFlash, the draft model, Medusa, MTP) wraps their
+proposer in :class:`HybridProposer`. Every step each row takes the candidate that commits more tokens per unit of
+time: the drafter-free draft's expected tokens (its calibrated probabilities) over its verification cost, against
+what the model drafter's own drafts have committed per step over their verification and drafting cost (running
+figures, measured in this call). When every row takes the drafter-free draft, the model drafter does not draft at
+all this step; otherwise it drafts for the rows that take its drafts, and the rows' drafts are merged into one tree
+for one verification forward. Exact for sampling too: a drafter-free draft in a tree of sampled drafts is given as a
+point mass, for which the speculative-sampling rule is the rule for deterministic drafts.
+
+The model drafter still reads every verification forward (its features, its cache), whoever drafted.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..registry import Option
+from ..tree import DraftTree
+from .base import Proposer, RowDraft
+
+HYBRID = Option("hybrid", object, None,
+                "also draft without the model: 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache (suffix decoding "
+                "over it); per row and step the candidate that commits more per unit of time is verified")
+
+
+def lookup_proposer(value):
+    """The drafter-free proposer a ``hybrid=`` value names (``None``: no hybrid)."""
+    from .prompt_lookup import PromptLookupProposer
+    from .suffix import SuffixCache, SuffixProposer
+
+    if value is None or value is False:
+        return None
+    if isinstance(value, SuffixCache):
+        return SuffixProposer(cache=value)
+    if value == "suffix":
+        return SuffixProposer()
+    if value == "prompt_lookup":
+        return PromptLookupProposer()
+    raise ValueError(f"hybrid must be 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache, got {value!r}.")
+
+
+class HybridProposer(Proposer):
+    """``model`` (a model-drafter proposer) and ``lookup`` (a proposer with ``row_drafts``/``learn``: suffix or
+    prompt lookup) as one proposer; see the module docstring.
+
+    Args:
+        model: the model drafter's proposer.
+        lookup: the drafter-free proposer.
+        prior_tokens: what a model-drafted step is taken to commit per row until measured.
+    """
+
+    def __init__(self, model: Proposer, lookup: Proposer, prior_tokens: float = 2.0):
+        self.model, self.lookup = model, lookup
+        self.name = f"{model.name}+{lookup.name}"
+        self.max_nodes = max(model.max_nodes, lookup.max_nodes)
+        self.typical_acceptance = model.typical_acceptance
+        self.prior_tokens = prior_tokens
+
+    @property
+    def target_hidden_states(self):
+        return self.model.target_hidden_states
+
+    @property
+    def drafter(self):
+        return getattr(self.model, "drafter", None)
+
+    def draft_modules(self) -> list:
+        return self.model.draft_modules()
+
+    def prepare(self, model) -> None:
+        self.model.prepare(model)
+        self.lookup.prepare(model)
+
+    def begin(self, state) -> None:
+        self.model.begin(state)
+        self.lookup.begin(state)
+        self.model_tokens = self.prior_tokens  # tokens a model-drafted row commits per step (running)
+        self.model_cost = None  # its verification + drafting cost in one-token steps (running)
+        self.choice: list[str] = []
+        self.lookup_steps = self.model_steps = 0
+
+    def _model_rate(self, state) -> float:
+        cost = self.model_cost
+        if cost is None:
+            cost = state.cost_model.relative(4) if state.cost_model is not None else 1.0
+        return self.model_tokens / max(cost, 1e-6)
+
+    def propose(self, state):
+        drafts = self.lookup.row_drafts(state)
+        rate = self._model_rate(state)
+        cost = state.cost_model
+        use = []
+        for b, d in enumerate(drafts):
+            ok = d is not None and state.max_drafts[b] > 0
+            if ok and cost is not None:
+                ok = d.expected / cost.relative(len(d.tokens) + 1) >= rate
+            use.append(ok)
+        self.lookup.pending = [d if u else None for d, u in zip(drafts, use)]
+        self.choice = ["lookup" if u else ("model" if state.max_drafts[b] > 0 else "") for b, u in enumerate(use)]
+        if all(u or state.max_drafts[b] == 0 for b, u in enumerate(use)):
+            self.lookup_steps += 1
+            self._model_seconds = None
+            return _merge(state, None, self.lookup.pending)
+        view = state
+        if any(use):  # the model drafts only for the rows that take its drafts
+            view = copy.copy(state)
+            view.max_drafts = [0 if u else m for u, m in zip(use, state.max_drafts)]
+        t0 = time.perf_counter()
+        tree = self.model.propose(view)
+        self._model_seconds = time.perf_counter() - t0
+        self.model_steps += 1
+        return _merge(state, tree, self.lookup.pending)
+
+    def commit(self, state, tree, result) -> None:
+        backoff = getattr(self.model, "backoff", None)
+        realized = backoff.realized if backoff is not None else None
+        self.model.commit(state, tree, result)
+        if backoff is not None and "model" not in self.choice:  # another source's drafts say nothing of the model's
+            backoff.realized = realized
+        self.lookup.commit(state, tree, result)
+        rows = [b for b, c in enumerate(self.choice) if c == "model" and result.paths[b]]
+        if rows and getattr(self, "_model_seconds", None) is not None and state.cost_model is not None:
+            tokens = sum(len(result.new_tokens[b]) for b in rows) / len(rows)
+            step = state.cost_model.step_seconds()
+            drafting = self._model_seconds / step if step else 0.0
+            cost = state.cost_model.relative(tree.num_nodes) + drafting
+            self.model_tokens = 0.8 * self.model_tokens + 0.2 * tokens
+            self.model_cost = cost if self.model_cost is None else 0.8 * self.model_cost + 0.2 * cost
+        self.choice = []
+
+    def on_compact(self, state, index) -> None:
+        self.model.on_compact(state, index)
+        self.lookup.on_compact(state, index)
+
+    def end(self, state) -> None:
+        self.model.end(state)
+        self.lookup.end(state)
+
+
+def _merge(state, tree: DraftTree | None, drafts: list[RowDraft | None]) -> DraftTree | None:
+    """One tree: the rows with a drafter-free draft in ``drafts`` take it, the others their row of ``tree``."""
+    if not any(d is not None for d in drafts):
+        return tree
+    bsz = state.batch_size
+    tokens: list[list[int]] = [[] for _ in range(bsz)]
+    parents: list[list[int]] = [[] for _ in range(bsz)]
+    for b in range(bsz):
+        if drafts[b] is not None:
+            tokens[b], parents[b] = list(drafts[b].tokens), list(drafts[b].parents)
+        elif tree is not None:
+            nodes = [i for i in range(1, tree.num_nodes) if bool(tree.valid[b, i])]
+            slot = {0: 0, **{node: k + 1 for k, node in enumerate(nodes)}}
+            tokens[b] = [int(tree.tokens[b, i]) for i in nodes]
+            parents[b] = [slot[int(tree.parents[b, i])] for i in nodes]
+    chains = all(p == list(range(len(p))) for p in parents)
+    if chains:
+        width = max(len(t) for t in tokens)
+        padded = torch.zeros(bsz, width, dtype=torch.long)
+        for b, t in enumerate(tokens):
+            padded[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        merged = DraftTree.chain(state.roots(), padded.to(state.device),
+                                 torch.tensor([len(t) for t in tokens], device=state.device))
+    else:
+        merged = DraftTree.from_rows(state.roots(), tokens, parents)
+    if merged is not None and tree is not None and tree.draft_probs is not None:
+        vocab = tree.draft_probs.shape[-1]
+        probs = torch.zeros(bsz, merged.num_nodes, vocab, dtype=tree.draft_probs.dtype, device=state.device)
+        for b in range(bsz):
+            if drafts[b] is not None:  # a deterministic draft is a point mass
+                idx = torch.arange(1, len(tokens[b]) + 1, device=state.device)
+                probs[b, idx, torch.tensor(tokens[b], device=state.device)] = 1.0
+            else:
+                nodes = [i for i in range(1, tree.num_nodes) if bool(tree.valid[b, i])]
+                if nodes:
+                    probs[b, 1:len(nodes) + 1] = tree.draft_probs[b, nodes]
+        merged.draft_probs = probs
+    return merged
+
+
+def wrap(proposer: Proposer, hybrid) -> Proposer:
+    """``proposer`` wrapped with the drafter-free source ``hybrid`` names (unchanged when ``None``)."""
+    lookup = lookup_proposer(hybrid)
+    return proposer if lookup is None else HybridProposer(proposer, lookup)
