@@ -83,3 +83,13 @@ def test_speculate_budget_and_floor():
     assert sorted(tree.tokens[:2]) == [5, 6] and tree.parents[:2] == [-1, -1]
     with pytest.raises(ValueError, match="max_depth"):
         SuffixIndex(max_depth=1)
+
+
+def test_the_contexts_own_occurrence_is_not_counted():
+    index = SuffixIndex(max_depth=8)
+    index.extend(0, [1, 2, 3, 1, 2])  # a row's own text: its tail "1 2" occurred once before, followed by 3
+    assert index.speculate([1, 2], max_tokens=2, alpha=2.0).probs == [0.5, 0.5]  # the tail itself counted
+    draft = index.speculate([1, 2], max_tokens=2, alpha=2.0, own_tail=2)
+    assert draft.tokens == [3, 1] and draft.probs == [1.0, 1.0] and draft.match_len == 2
+    index.extend(1, [7, 8])
+    assert index.speculate([7, 8], max_tokens=2, own_tail=2).tokens == []  # only itself: nothing to follow

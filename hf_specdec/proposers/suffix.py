@@ -128,44 +128,51 @@ class SuffixIndex:
         return node
 
     def speculate(self, context, max_tokens: int, alpha: float = 1.0, offset: float = 0.0, min_prob: float = 0.1,
-                  tree: bool = False) -> SuffixDraft:
+                  tree: bool = False, own_tail: int = 0) -> SuffixDraft:
         """The best draft continuing ``context`` (see the module docstring); an empty draft when nothing matches.
+
+        ``own_tail``: the context's last ``own_tail`` tokens are the end of an indexed sequence (a row's own text):
+        that occurrence of a matched tail, which nothing follows yet, is not counted.
 
         The match lengths tried are the longest one and 1, 2, 3, 4, 6, 8, 12, ... below it (every length up to 4),
         not each one: a draft from a match is usually close to one from a match a few tokens longer, and each
         candidate costs a tree expansion."""
         best = SuffixDraft()
         context = [int(t) for t in context[-(self.max_depth - 1):]]
-        longest = self._longest_match(context)
+        longest = self._longest_match(context, own_tail)
         for m in sorted({longest} | {m for m in _MATCH_LENGTHS if m < longest}, reverse=True):  # ties: longer
             budget = min(max_tokens, math.floor(m * alpha + offset + 1e-6), self.max_depth - m)
             if budget <= 0 or budget <= best.score:  # a draft of `budget` tokens scores at most `budget`
                 continue
             node = self._walk(context[-m:])
-            draft = self._tree(node, budget, min_prob) if tree else self._path(node, budget, min_prob)
+            total = node.count - (m <= own_tail)
+            draft = self._tree(node, total, budget, min_prob) if tree else self._path(node, total, budget, min_prob)
             draft.match_len = m
             if draft.tokens and draft.score > best.score:
                 best = draft
         return best
 
-    def _longest_match(self, context: list[int]) -> int:
-        """The longest tail of ``context`` the index holds (every shorter tail of a held one is held too)."""
+    def _longest_match(self, context: list[int], own_tail: int = 0) -> int:
+        """The longest tail of ``context`` the index holds (every shorter tail of a held one is held too), not
+        counting the occurrence at the end of a sequence whose last ``own_tail`` tokens end the context."""
         lo, hi = 0, len(context)
         while lo < hi:
             mid = (lo + hi + 1) // 2
             node = self._walk(context[-mid:])
-            if node is not None and node.count > 0:
+            if node is not None and node.count - (mid <= own_tail) > 0:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
 
     @staticmethod
-    def _path(node: _Node, budget: int, min_prob: float) -> SuffixDraft:
+    def _path(node: _Node, total: int, budget: int, min_prob: float) -> SuffixDraft:
+        """The most frequent continuation from ``node``, whose count is taken to be ``total``."""
         draft, prob = SuffixDraft(), 1.0
         while len(draft.tokens) < budget and node.children:
             token, child = max(node.children.items(), key=lambda kv: kv[1].count)
-            prob *= child.count / node.count
+            prob *= child.count / total
+            total = child.count
             if prob < min_prob:
                 break
             draft.parents.append(len(draft.tokens) - 1)
@@ -176,11 +183,12 @@ class SuffixIndex:
         return draft
 
     @staticmethod
-    def _tree(node: _Node, budget: int, min_prob: float) -> SuffixDraft:
+    def _tree(node: _Node, total: int, budget: int, min_prob: float) -> SuffixDraft:
+        """Best-first continuations from ``node``, whose count is taken to be ``total``."""
         draft = SuffixDraft()
         tie = itertools.count()  # heap order for equal probabilities: first pushed first
-        heap = [(-(c.count / node.count), next(tie), t, c, -1) for t, c in node.children.items()
-                if c.count >= min_prob * node.count - 1e-9]
+        heap = [(-(c.count / total), next(tie), t, c, -1) for t, c in node.children.items()
+                if c.count >= min_prob * total - 1e-9]
         heapq.heapify(heap)
         while heap and len(draft.tokens) < budget:
             neg, _, token, child, parent = heapq.heappop(heap)
@@ -396,9 +404,10 @@ class SuffixProposer(Proposer):
             context = state.row_tokens(b)[-(depth - 1):].tolist()
             opts = dict(max_tokens=budget, alpha=self.factor, offset=self.offset, min_prob=self.min_prob,
                         tree=self.tree)
-            found = [("own", self.local[b].speculate(context, **opts))]
-            if self.cache is not None:
-                found.append(("cache", self.cache.speculate(context, **opts)))
+            found = [("own", self.local[b].speculate(context, own_tail=len(context), **opts))]
+            if self.cache is not None:  # the cache holds this row's output so far too
+                output = state.lengths[b] - state.prompt_length
+                found.append(("cache", self.cache.speculate(context, own_tail=output, **opts)))
             drafts.append(self._candidate(state, found, budget))
         return drafts
 
