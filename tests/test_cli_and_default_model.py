@@ -138,7 +138,7 @@ def test_methods_are_comma_separated_everywhere(tmp_path, capsys):
     assert parser.parse_args(["demo"]).methods is None
     assert parser.parse_args(["bench", "--methods", "plain_kernels,eagle3_chain:3,oracle:4"]).methods == [
         "plain_kernels", "eagle3_chain:3", "oracle:4"]
-    assert parser.parse_args(["bench"]).datasets == ["mtbench", "humaneval", "gsm8k", "copy"]
+    assert parser.parse_args(["bench"]).datasets == ["mtbench", "humaneval", "gsm8k", "copy", "repeat"]
     assert parser.parse_args(["publish-hub", "--methods", "eagle3,dflash"]).methods == ["eagle3", "dflash"]
     assert cli.main(["install-hub-cache", "--cache-dir", str(tmp_path), "--methods", "prompt_lookup,eagle3"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["models--hf_specdec--eagle3",
@@ -150,7 +150,7 @@ def test_methods_are_comma_separated_everywhere(tmp_path, capsys):
         ("install-hub-cache", "--methods", "nope"): "Available: ",
         ("publish-hub", "--methods", "nope", "--dry-run"): "Available: ",
         ("bench", "--methods", "prompt_lookup,nope:3"): "the baselines plain, plain_kernels, oracle:K",
-        ("bench", "--datasets", "gsm8k,nope"): "the datasets are mtbench, humaneval, gsm8k, copy",
+        ("bench", "--datasets", "gsm8k,nope"): "the datasets are mtbench, humaneval, gsm8k, copy, repeat",
         ("demo", "--methods", "prompt_lookup", "eagle3"): "unrecognized arguments: eagle3",  # no space lists
         ("demo", "--repeats", "0"): "must be 1 or more",
     }

@@ -234,3 +234,24 @@ def test_own_and_cache_drafts_merge_into_one_tree():
 
     proposer.learn([d], AcceptResult(paths=[[0, 1, 4]], new_tokens=[[1, 4, 7]]))
     assert proposer.calibration[("cache", 2)] > 0.7 and proposer.calibration[("own", 4)] < 1.0
+
+
+def test_a_pinned_corpus_is_a_datastore():
+    from tiny import word_tokenizer
+
+    m = model("llama")
+    ids, mask = prompts(1, length=10, seed=21, repeat=False)
+    ref = generate(m, ids, mask)
+    corpus = SuffixCache(max_sequences=2)
+    corpus.add(ref[0, ids.shape[1]:].tolist(), pinned=True)  # a document that holds the answer
+    out = generate(m, ids, mask, custom_generate=suffix(suffix_cache=corpus, draft_length_schedule="constant"),
+                   return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    assert out.speculative_stats["accepted_drafts"] >= MAX_NEW // 2
+    for _ in range(3):  # outputs come and go; the document stays
+        generate(m, ids, mask, custom_generate=suffix(suffix_cache=corpus))
+    assert 0 in corpus.index.sequences and corpus.num_sequences == 2
+    tok = word_tokenizer()
+    docs = SuffixCache()
+    docs.add_texts(tok, ["abcabc", "hello"])
+    assert docs.num_tokens == len(tok("abcabc", add_special_tokens=False)["input_ids"]) + 5
