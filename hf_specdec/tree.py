@@ -68,6 +68,10 @@ class DraftTree:
         width = 1 + max((len(t) for t in tokens), default=0)
         if width == 1:
             return None
+        for b, row in enumerate(parents):  # a proposer's bug would otherwise verify with the wrong ancestors
+            if len(row) != len(tokens[b]) or any(not 0 <= p <= i for i, p in enumerate(row)):
+                raise ValueError(f"Draft tree row {b}: every draft's parent must come before it (0 = the root), "
+                                 f"got parents {row} for {len(tokens[b])} drafts.")
         bsz = root.shape[0]
         pad = [[0] * (width - 1 - len(t)) for t in tokens]
         token_rows = torch.tensor([t + z for t, z in zip(tokens, pad)], dtype=torch.long).reshape(bsz, width - 1)

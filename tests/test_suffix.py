@@ -2,6 +2,7 @@
 cache (its memory bound, a repeated request drafting from the first one's output, concurrent calls), hybrid trees
 of a model drafter and a drafter-free source, and the errors."""
 
+import math
 import threading
 
 import pytest
@@ -255,3 +256,20 @@ def test_a_pinned_corpus_is_a_datastore():
     docs = SuffixCache()
     docs.add_texts(tok, ["abcabc", "hello"])
     assert docs.num_tokens == len(tok("abcabc", add_special_tokens=False)["input_ids"]) + 5
+
+
+def test_a_child_rounded_above_its_parent_still_comes_after_it():
+    from types import SimpleNamespace
+
+    from hf_specdec.proposers.suffix import SuffixDraft
+    from hf_specdec.tree import DraftTree
+
+    proposer = SuffixProposer(adaptive=False)
+    proposer.calibration = {}
+    state = SimpleNamespace(eos_token_ids=[], cost_model=None)
+    p = 0.8333333333333334
+    draft = SuffixDraft(tokens=[5, 6, 7], parents=[-1, 0, 1], probs=[1.0, p, math.nextafter(p, 1.0)], match_len=4)
+    d = proposer._candidate(state, [("own", draft)], budget=5)
+    assert d.parents == [0, 1, 2]
+    with pytest.raises(ValueError, match="parent must come before it"):  # what a wrong order would have done
+        DraftTree.from_rows(torch.tensor([1]), [[5, 7, 6]], [[0, 3, 1]])

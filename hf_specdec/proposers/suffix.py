@@ -202,7 +202,7 @@ class SuffixIndex:
             floor = min_prob * child.count / prob  # children counted less than this fall under the floor
             for t, c in child.children.items():
                 if c.count >= floor - 1e-9:
-                    heapq.heappush(heap, (-(prob * c.count / child.count), next(tie), t, c, here))
+                    heapq.heappush(heap, (-(prob * (c.count / child.count)), next(tie), t, c, here))
         draft.score = sum(draft.probs)
         return draft
 
@@ -430,7 +430,10 @@ class SuffixProposer(Proposer):
                 node["from"][key] = prob
         if not nodes:
             return None
-        # best first; a child is never likelier than its parent in its own source, so parents come first
+        for path in sorted(nodes, key=len):  # a child is never likelier than its parent (rounding aside) ...
+            if len(path) > 1:
+                nodes[path]["reach"] = min(nodes[path]["reach"], nodes[path[:-1]]["reach"])
+        # ... so best first, ties to the shorter path, puts parents first
         order = sorted(nodes, key=lambda path: (-nodes[path]["reach"], len(path)))[:budget]
         slot = {path: i + 1 for i, path in enumerate(order)}
         reach = [nodes[path]["reach"] for path in order]
