@@ -273,3 +273,22 @@ def test_a_child_rounded_above_its_parent_still_comes_after_it():
     assert d.parents == [0, 1, 2]
     with pytest.raises(ValueError, match="parent must come before it"):  # what a wrong order would have done
         DraftTree.from_rows(torch.tensor([1]), [[5, 7, 6]], [[0, 3, 1]])
+
+
+def test_hybrid_stays_lossless_whichever_source_each_row_takes(monkeypatch):
+    """The per-row choice depends on measured times; here it is random, and any mix must keep the output."""
+    import random
+
+    from hf_specdec.proposers import hybrid, suffix as suffix_module
+
+    rng = random.Random(0)
+    monkeypatch.setattr(suffix_module, "best_count", lambda expected, cost, *a, **k: rng.randint(0, len(expected)))
+    monkeypatch.setattr(hybrid.HybridProposer, "_model_rate", lambda self, state: rng.choice([0.0, 1.0, 1e9]))
+    m, other = model("llama"), tiny_model("llama", seed=3)
+    for trial in range(6):
+        ids, mask = prompts(3, length=12, seed=trial, repeat=True)
+        ref = generate(m, ids, mask)
+        cache = SuffixCache()
+        for _ in range(2):
+            out = generate(m, ids, mask, custom_generate=_assisted(m, other, hybrid=cache, num_speculative_tokens=3))
+            assert torch.equal(out, ref)
