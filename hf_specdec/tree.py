@@ -75,8 +75,10 @@ class DraftTree:
         bsz = root.shape[0]
         pad = [[0] * (width - 1 - len(t)) for t in tokens]
         token_rows = torch.tensor([t + z for t, z in zip(tokens, pad)], dtype=torch.long).reshape(bsz, width - 1)
-        parent_rows = torch.tensor([p + z for p, z in zip(parents, pad)], dtype=torch.long).reshape(bsz, width - 1)
         counts = torch.tensor([len(t) for t in tokens])
+        if all(row == list(range(len(row))) for row in parents):  # every row a chain: the verifier's fast path
+            return cls.chain(root, token_rows.to(root.device), counts.to(root.device))
+        parent_rows = torch.tensor([p + z for p, z in zip(parents, pad)], dtype=torch.long).reshape(bsz, width - 1)
         valid = torch.arange(width)[None, :] <= counts[:, None]
         device = root.device
         return cls(tokens=torch.cat([root[:, None], token_rows.to(device)], dim=1),

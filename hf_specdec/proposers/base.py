@@ -170,18 +170,6 @@ class RowDraft:
 
 
 def tree_from_row_drafts(state, drafts: list[RowDraft | None]) -> DraftTree | None:
-    """The draft tree of per-row candidates (``None``: no drafts), a chain tree when every row's is a chain."""
-    rows = [d if d is not None and d.tokens else None for d in drafts]
-    if not any(rows):
-        return None
-    roots = state.roots()
-    if all(d is None or d.is_chain for d in rows):
-        width = max(len(d.tokens) for d in rows if d is not None)
-        padded = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, d in enumerate(rows):
-            if d is not None:
-                padded[b, : len(d.tokens)] = torch.tensor(d.tokens)
-        counts = torch.tensor([len(d.tokens) if d is not None else 0 for d in rows])
-        return DraftTree.chain(roots, padded.to(state.device), counts.to(state.device))
-    return DraftTree.from_rows(roots, [d.tokens if d is not None else [] for d in rows],
-                               [d.parents if d is not None else [] for d in rows])
+    """The draft tree of per-row candidates (``None``: no drafts)."""
+    return DraftTree.from_rows(state.roots(), [d.tokens if d is not None else [] for d in drafts],
+                               [d.parents if d is not None else [] for d in drafts])

@@ -153,20 +153,12 @@ def _merge(state, tree: DraftTree | None, drafts: list[RowDraft | None]) -> Draf
         if drafts[b] is not None:
             tokens[b], parents[b] = list(drafts[b].tokens), list(drafts[b].parents)
         elif tree is not None:
-            nodes = [i for i in range(1, tree.num_nodes) if bool(tree.valid[b, i])]
+            valid, row_tokens, row_parents = tree.valid[b].tolist(), tree.tokens[b].tolist(), tree.parents[b].tolist()
+            nodes = [i for i in range(1, tree.num_nodes) if valid[i]]
             slot = {0: 0, **{node: k + 1 for k, node in enumerate(nodes)}}
-            tokens[b] = [int(tree.tokens[b, i]) for i in nodes]
-            parents[b] = [slot[int(tree.parents[b, i])] for i in nodes]
-    chains = all(p == list(range(len(p))) for p in parents)
-    if chains:
-        width = max(len(t) for t in tokens)
-        padded = torch.zeros(bsz, width, dtype=torch.long)
-        for b, t in enumerate(tokens):
-            padded[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        merged = DraftTree.chain(state.roots(), padded.to(state.device),
-                                 torch.tensor([len(t) for t in tokens], device=state.device))
-    else:
-        merged = DraftTree.from_rows(state.roots(), tokens, parents)
+            tokens[b] = [row_tokens[i] for i in nodes]
+            parents[b] = [slot[row_parents[i]] for i in nodes]
+    merged = DraftTree.from_rows(state.roots(), tokens, parents)
     if merged is not None and tree is not None and tree.draft_probs is not None:
         vocab = tree.draft_probs.shape[-1]
         probs = torch.zeros(bsz, merged.num_nodes, vocab, dtype=tree.draft_probs.dtype, device=state.device)
@@ -175,7 +167,7 @@ def _merge(state, tree: DraftTree | None, drafts: list[RowDraft | None]) -> Draf
                 idx = torch.arange(1, len(tokens[b]) + 1, device=state.device)
                 probs[b, idx, torch.tensor(tokens[b], device=state.device)] = 1.0
             else:
-                nodes = [i for i in range(1, tree.num_nodes) if bool(tree.valid[b, i])]
+                nodes = tree.valid[b, 1:].nonzero()[:, 0].add(1).tolist()
                 if nodes:
                     probs[b, 1:len(nodes) + 1] = tree.draft_probs[b, nodes]
         merged.draft_probs = probs

@@ -22,7 +22,6 @@ import random
 import zlib
 from dataclasses import dataclass, field
 
-import torch
 
 from ..costs import AcceptanceEstimator
 from ..registry import SCHEDULE, Method, Option
@@ -172,7 +171,6 @@ class LookaheadProposer(Proposer):
 
     def propose(self, state):
         tokens, parents = [], []
-        chains = True
         roots = state.roots().tolist()
         for b, row in enumerate(self.rows):
             row.guesses, row.slots = [], None
@@ -197,21 +195,11 @@ class LookaheadProposer(Proposer):
                 row_tokens += w_tokens
                 row_parents += w_parents
             row.guesses = guesses
-            chains = chains and row_parents == list(range(len(row_parents)))
             tokens.append(row_tokens)
             parents.append(row_parents)
         if not any(tokens):
             return None
-        root = state.roots()  # [B]
-        if chains:  # the verifier's fast path
-            width = max(len(t) for t in tokens)
-            drafts = root.new_zeros((state.batch_size, width))  # [B, k]
-            for b, t in enumerate(tokens):
-                if t:
-                    drafts[b, :len(t)] = torch.tensor(t)
-            self.tree = DraftTree.chain(root, drafts, root.new_tensor([len(t) for t in tokens]))
-        else:
-            self.tree = DraftTree.from_rows(root, tokens, parents)
+        self.tree = DraftTree.from_rows(state.roots(), tokens, parents)
         return self.tree
 
     def commit(self, state, tree, result) -> None:
