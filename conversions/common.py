@@ -1,9 +1,11 @@
-"""Shared pieces of the converters: fetch only the needed files, read weights safely, check shapes."""
+"""Shared pieces of the converters: fetch only the needed files, read weights safely, check shapes; and of the
+exporters: the speculators config block, the verifier it names, the safetensors folder."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -217,3 +219,166 @@ def load_converted_or_published(source: str | os.PathLike, target, model_cls, co
     else:
         model = convert(source, dtype=target.dtype)
     return model.to(target.device).eval()
+
+
+# ------------------------------------------------------------------------------------------------- export
+# Writing our drafters in the layouts serving engines load: the speculators format (``speculators_model_type``,
+# ``speculators_config``, ``transformer_layer_config``; what ``vllm serve <folder>`` reads) and vLLM's own layouts.
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config schema the exports follow
+SPECULATORS_INSTALL = ("pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 openai sniffio datasets "
+                       "multiprocess pandas pyarrow pydantic pydantic-settings loguru dill xxhash aiohttp")
+# the architectures of the embedded default target, whose config cannot be read offline (it ships as a GGUF file)
+_DEFAULT_TARGET_ARCHITECTURES = ["LlamaForCausalLM"]
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """The target an export is for: ``name_or_path`` and ``architectures`` as the speculators config records them,
+    and its ``config.json`` (``None`` when it could not be read: offline and not in the local Hub cache)."""
+
+    name_or_path: str
+    architectures: list[str]
+    config: dict | None = None
+
+    @property
+    def text_config(self) -> dict | None:
+        """The language model's fields (a multimodal config's ``text_config``)."""
+        if self.config is None:
+            return None
+        text = self.config.get("text_config")
+        return text if isinstance(text, dict) else self.config
+
+    @property
+    def num_hidden_layers(self) -> int | None:
+        return (self.text_config or {}).get("num_hidden_layers")
+
+    def transformers_config(self):
+        """The target's transformers config (for a drafter's fit check), or ``None``."""
+        if self.config is None:
+            return None
+        from transformers import AutoConfig
+
+        data = {k: v for k, v in self.config.items() if k not in ("auto_map", "quantization_config")}
+        try:
+            return AutoConfig.for_model(data.pop("model_type"), **data)
+        except (KeyError, ValueError, TypeError):  # a remote-code model type: no fit check
+            return None
+
+
+def resolve_verifier(verifier, recorded: str | None, drafter_config=None) -> Verifier:
+    """The :class:`Verifier` of ``verifier`` (a Hub id, a local folder, a transformers config or model; ``None``:
+    ``recorded``, the target the drafter says it was made for). A local folder is recorded by its absolute path.
+    With ``drafter_config`` (one with ``check_target``), a verifier whose config is known must fit the drafter."""
+    target = _resolve_verifier(verifier, recorded)
+    fit = target.transformers_config() if drafter_config is not None else None
+    if fit is not None:
+        try:
+            drafter_config.check_target(fit)
+        except ValueError as err:
+            raise ConversionError(f"verifier {target.name_or_path}: {err}") from err
+    return target
+
+
+def _resolve_verifier(verifier, recorded: str | None) -> Verifier:
+    given = recorded if verifier is None else verifier
+    if given is None:
+        raise ConversionError("The drafter does not record the target it was made for: pass verifier= (the target's "
+                              "Hub id or folder; --verifier on the command line).")
+    config = getattr(given, "config", given)  # a model -> its config
+    if hasattr(config, "to_dict"):
+        data = config.to_dict()
+        name = getattr(config, "_name_or_path", None) or data.get("_name_or_path")
+        if not name:
+            raise ConversionError("The verifier config names no model (_name_or_path is empty): pass the target's "
+                                  "Hub id or folder instead.")
+        return Verifier(str(name), list(data.get("architectures") or []), data)
+    text = os.fspath(given)
+    local = Path(text).expanduser()
+    name = str(local.resolve()) if local.is_dir() else text
+    try:
+        data = read_config(local if local.is_dir() else resolve_source(text, allow_patterns=["config.json"]))
+    except (ConversionError, FileNotFoundError):
+        data = None
+    if data is not None:
+        return Verifier(name, list(data.get("architectures") or []), data)
+    from hf_specdec.default_model import MODEL_ID
+
+    if text == MODEL_ID:
+        return Verifier(name, list(_DEFAULT_TARGET_ARCHITECTURES))
+    raise ConversionError(f"Cannot read the config of the verifier {text!r} (not a local folder; offline or not in the "
+                          "local Hub cache): pass verifier= as a local folder of the target, or run online once.")
+
+
+def speculators_fields(algorithm: str, speculative_tokens: int, verifier: Verifier) -> dict:
+    """The top-level fields every speculators config has: model type, version and the ``speculators_config`` block
+    (one greedy proposal method of ``speculative_tokens`` drafts; the verifier)."""
+    if not isinstance(speculative_tokens, int) or speculative_tokens < 1:
+        raise ConversionError(f"speculative_tokens must be a positive integer, got {speculative_tokens!r}.")
+    return {
+        "speculators_model_type": algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier.name_or_path, "architectures": list(verifier.architectures)},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What an exporter wrote: the ``folder``, its ``files``, the ``config`` written and a command that serves it."""
+
+    folder: Path
+    files: list[Path]
+    config: dict
+    serve: str
+
+
+def write_export(out, config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, serve: str
+                 ) -> Exported:
+    """Write ``config.json`` (with the ``dtype`` of the weights and the ``transformers_version``) and
+    ``model.safetensors`` (floating tensors in ``dtype``, default as they are; every tensor contiguous and unshared)
+    to ``out``."""
+    import transformers
+    from safetensors.torch import save_file
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.detach().to("cpu", dtype) if dtype is not None and v.is_floating_point() else v.detach().cpu())
+             .contiguous().clone() for k, v in tensors.items()}
+    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+    if floats:
+        config = {**config, "dtype": str(floats[0]).removeprefix("torch.")}
+    config = {**config, "transformers_version": transformers.__version__}
+    weights, meta = folder / "model.safetensors", folder / "config.json"
+    save_file(state, str(weights), metadata={"format": "pt"})
+    meta.write_text(json.dumps(config, indent=2) + "\n")
+    return Exported(folder, [meta, weights], config, serve)
+
+
+def drafter_to_export(drafter_or_path, model_cls, convert):
+    """The drafter to export: a ``model_cls`` instance as it is; a folder or Hub id in hf_specdec's format loaded with
+    ``from_pretrained``; any other layout ``convert`` reads, converted in memory."""
+    classes = model_cls if isinstance(model_cls, tuple) else (model_cls,)
+    if isinstance(drafter_or_path, torch.nn.Module):
+        if not isinstance(drafter_or_path, classes):
+            raise ConversionError(f"Expected {' or '.join(c.__name__ for c in classes)}, got "
+                                  f"{type(drafter_or_path).__name__}.")
+        return drafter_or_path
+    folder = resolve_source(drafter_or_path, allow_patterns=["config.json"])
+    model_type = read_config(folder).get("model_type")
+    for cls in classes:
+        if model_type == cls.config_class.model_type:
+            folder = resolve_source(drafter_or_path)
+            check_weight_files(folder)
+            return cls.from_pretrained(str(folder)).eval()
+    return convert(drafter_or_path)
+
+
+def vllm_serve_command(folder, verifier: Verifier, method: str, speculative_tokens: int) -> str:
+    """``vllm serve`` with a ``--speculative-config`` naming the exported folder."""
+    spec = json.dumps({"model": str(folder), "method": method, "num_speculative_tokens": speculative_tokens})
+    return f"vllm serve {verifier.name_or_path} --speculative-config '{spec}'"

@@ -10,6 +10,15 @@ Layouts read as published:
   (top level) or ``dflash_config.causal``; otherwise layers are bidirectional.
 * **muse_glimmer** (transformers' native ``MuseGlimmerAssistantModel``): ``encoder.fc`` / ``encoder.output_norm_enc``
   instead of ``fc`` / ``hidden_norm``, fields at the top level.
+* **speculators** (vLLM ``DFlashSpeculatorConfig``, ``speculators_model_type: "dflash"``): the Qwen3 layer fields in
+  ``transformer_layer_config``; ``block_size``, ``mask_token_id`` and ``aux_hidden_state_layer_ids`` at the top level,
+  the ids counted as HF ``hidden_states`` indices (z-lab's layer-output id + 1, as vLLM's ``update_dflash`` undoes);
+  the z-lab key names. Full-attention layers are bidirectional, sliding ones causal unless
+  ``sliding_window_non_causal``. A draft vocabulary (``draft_vocab_size`` < ``vocab_size``, its own ``lm_head``) and
+  ``sample_from_anchor`` are refused: this drafter reads out with the target's whole LM head and drafts after the
+  anchor.
+
+:func:`export_dflash` writes a drafter back in the speculators layout (what ``vllm serve <folder>`` loads).
 """
 
 from __future__ import annotations
@@ -18,24 +27,63 @@ import os
 
 import torch
 
-from .common import ConversionError, check_shapes, load_target_config, load_weights, read_config, resolve_source
+from .common import (
+    ConversionError,
+    Exported,
+    check_shapes,
+    drafter_to_export,
+    load_target_config,
+    load_weights,
+    read_config,
+    resolve_source,
+    resolve_verifier,
+    speculators_fields,
+    vllm_serve_command,
+    write_export,
+)
 
-LAYOUTS = ("zlab", "muse_glimmer")
+LAYOUTS = ("zlab", "muse_glimmer", "speculators")
 _FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 _UNSUPPORTED = ("conv_kernel_size", "selector_rank", "attention_sink_bias", "output_multiplier")
 
 
 def detect_layout(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
+    if cfg.get("speculators_model_type") == "dflash":
+        return "speculators"
     if cfg.get("model_type") == "muse_glimmer_assistant" or any("MuseGlimmerAssistant" in a for a in archs):
         return "muse_glimmer"
     if "dflash_config" in cfg or any("DFlash" in a for a in archs):
         return "zlab"
     raise ConversionError(f"Unknown DFlash checkpoint layout (architectures={archs}, model_type="
-                          f"{cfg.get('model_type')}); expected z-lab's DFlashDraftModel or MuseGlimmerAssistantModel.")
+                          f"{cfg.get('model_type')}); expected z-lab's DFlashDraftModel, MuseGlimmerAssistantModel or "
+                          "a speculators DFlash config.")
+
+
+def _from_speculators(cfg: dict) -> dict:
+    """The z-lab-shaped config of a speculators DFlash config (the layer fields, then the DFlash ones)."""
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise ConversionError("The speculators DFlash config lacks transformer_layer_config.")
+    vocab = layer.get("vocab_size")
+    if cfg.get("draft_vocab_size") not in (None, vocab):
+        raise ConversionError(f"draft_vocab_size={cfg['draft_vocab_size']} < vocab_size={vocab}: a DFlash drafter with "
+                              "its own reduced LM head, which hf_specdec's drafter (the target's head) does not have.")
+    if cfg.get("sample_from_anchor"):
+        raise ConversionError("sample_from_anchor=true (the anchor position drafts too) is not what hf_specdec's "
+                              "DFlash drafter does (the anchor is the target's token).")
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    if not ids:
+        raise ConversionError("The speculators DFlash config has no aux_hidden_state_layer_ids.")
+    sliding = [t == "sliding_attention" for t in layer.get("layer_types") or []]
+    return {**layer, "block_size": cfg.get("block_size"), "target_hidden_size": cfg.get("target_hidden_size"),
+            "dflash_config": {"mask_token_id": cfg.get("mask_token_id"), "target_layer_ids": [i - 1 for i in ids]},
+            "_causal_sliding": any(sliding) and not cfg.get("sliding_window_non_causal", False)}
 
 
 def config_from_published(cfg: dict, layout: str) -> dict:
+    if layout == "speculators":
+        cfg = _from_speculators(cfg)
     dcfg = cfg.get("dflash_config") or {}
     for key in _UNSUPPORTED:
         if cfg.get(key) is not None or dcfg.get(key) is not None:
@@ -66,7 +114,7 @@ def config_from_published(cfg: dict, layout: str) -> dict:
         target_layer_ids=list(ids) if ids is not None else None, num_target_layers=cfg.get("num_target_layers"),
         target_hidden_size=cfg.get("target_hidden_size"), layer_types=layer_types,
         sliding_window=sliding if layer_types and "sliding_attention" in layer_types else None,
-        causal=bool(causal) if causal is not None else False,
+        causal=bool(causal) if causal is not None else False, causal_sliding=bool(cfg.get("_causal_sliding", False)),
         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
         max_position_embeddings=cfg.get("max_position_embeddings", 40960),
     )
@@ -105,8 +153,9 @@ def convert_dflash(source: str | os.PathLike, out: str | os.PathLike | None = No
     target_cfg = load_target_config(target)
     if target_cfg is not None:
         fields["num_target_layers"] = fields["num_target_layers"] or target_cfg.get_text_config().num_hidden_layers
+    recorded = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     try:
-        config = DFlashConfig(**fields, target_model=str(source))
+        config = DFlashConfig(**fields, target_model=recorded or str(source))
     except ValueError as err:
         raise ConversionError(f"{source}: {err}") from err
     if target_cfg is not None:
@@ -132,3 +181,66 @@ def convert_dflash(source: str | os.PathLike, out: str | os.PathLike | None = No
     if out is not None:
         drafter.save_pretrained(str(out))
     return drafter
+
+
+# ------------------------------------------------------------------------------------------------------ export
+def export_dflash(drafter_or_path, out, verifier=None, speculative_tokens: int | None = None,
+                  dtype: torch.dtype | None = None) -> Exported:
+    """Write a DFlash drafter in the speculators layout (``vllm serve <out>``).
+
+    ``config.json`` is a ``DFlashSpeculatorConfig``: ``architectures: ["DFlashSpeculator"]``,
+    ``transformer_layer_config`` = the draft layers as a Qwen3Config (q/k norms; ``layer_types``, ``sliding_window``),
+    ``block_size``, ``mask_token_id``, ``aux_hidden_state_layer_ids`` = our layer-output ids + 1 (HF
+    ``hidden_states`` indices; vLLM subtracts the 1 again for its ``dflash_config.target_layer_ids``),
+    ``draft_vocab_size`` = ``vocab_size`` (the target's LM head reads out; no ``lm_head`` is written),
+    ``target_hidden_size``, ``sliding_window_non_causal``, ``sample_from_anchor: false`` and the ``speculators_config``
+    block (``speculative_tokens``: default and at most ``block_size - 1``). ``model.safetensors`` holds ``fc``,
+    ``hidden_norm``, ``norm`` and ``layers.{i}.*``. A drafter whose full-attention layers are causal (``causal``) has
+    no speculators equivalent (its full-attention layers are always bidirectional) and is refused.
+
+    Args: as :func:`hf_specdec.conversions.eagle3.export_eagle3` (``drafter_or_path``: a ``DFlashDrafter``, a folder
+    or Hub id in hf_specdec's format, or a layout :func:`convert_dflash` reads).
+    """
+    from hf_specdec.modeling.dflash import DFlashDrafter
+
+    drafter = drafter_to_export(drafter_or_path, DFlashDrafter, convert_dflash)
+    c = drafter.config
+    if c.causal:
+        raise ConversionError("This DFlash drafter makes every layer causal (causal=true): speculators' DFlash keeps "
+                              "full-attention layers bidirectional, so vLLM would run another network.")
+    target = resolve_verifier(verifier, c.target_model, c)
+    ids = c.target_layer_ids
+    if ids is None:
+        if target.num_hidden_layers is None:
+            raise ConversionError("The drafter records no target_layer_ids and the verifier's layer count is unknown.")
+        ids = c.layer_ids_for(target.num_hidden_layers)
+    k = c.block_size - 1 if speculative_tokens is None else speculative_tokens
+    if not isinstance(k, int) or not 1 <= k <= c.block_size - 1:
+        raise ConversionError(f"speculative_tokens must be 1..{c.block_size - 1} (block_size - 1: the anchor is the "
+                              f"target's token), got {k!r}.")
+    sliding = "sliding_attention" in c.layer_types
+    layer = {
+        "model_type": "qwen3", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps,
+        "hidden_act": c.hidden_act, "attention_bias": c.attention_bias, "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "layer_types": list(c.layer_types),
+        "use_sliding_window": sliding, "sliding_window": c.sliding_window if sliding else None,
+        "tie_word_embeddings": False,
+    }
+    config = {
+        "architectures": ["DFlashSpeculator"],
+        **speculators_fields("dflash", k, target),
+        "transformer_layer_config": layer,
+        "draft_vocab_size": c.vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "block_size": c.block_size,
+        "mask_token_id": c.mask_token_id,
+        "aux_hidden_state_layer_ids": [i + 1 for i in ids],
+        "sliding_window_non_causal": not (sliding and c.causal_sliding),
+        "sample_from_anchor": False,
+    }
+    tensors = dict(drafter.state_dict())
+    return write_export(out, config, tensors, dtype, f"vllm serve {out}   # or: "
+                        + vllm_serve_command(out, target, "dflash", k))

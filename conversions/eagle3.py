@@ -11,6 +11,9 @@ Three layouts are read exactly as published:
 * **speculators** (vLLM ``Eagle3SpeculatorConfig``): ``transformer_layer_config`` holds the layer config, keys
   ``layers.0.*``; ``eagle_aux_hidden_state_layer_ids`` are HF indices as they are; ``norm_before_residual`` is
   honoured; ``norm_before_fc``, ``fc_norm`` and ``norm_output`` change the network and are refused.
+
+:func:`export_eagle3` writes a drafter back in the speculators layout (what ``vllm serve <folder>`` loads) or the
+SpecForge layout (what SGLang loads); reading the folder with :func:`convert_eagle3` gives the same drafter.
 """
 
 from __future__ import annotations
@@ -20,7 +23,20 @@ from pathlib import Path
 
 import torch
 
-from .common import ConversionError, check_shapes, load_target_config, load_weights, read_config, resolve_source
+from .common import (
+    ConversionError,
+    Exported,
+    check_shapes,
+    drafter_to_export,
+    load_target_config,
+    load_weights,
+    read_config,
+    resolve_source,
+    resolve_verifier,
+    speculators_fields,
+    vllm_serve_command,
+    write_export,
+)
 
 LAYOUTS = ("research", "specforge", "speculators")
 _FILES = ["config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json"]
@@ -182,3 +198,98 @@ def convert_eagle3(source: str | os.PathLike, out: str | os.PathLike | None = No
     if out is not None:
         drafter.save_pretrained(str(out))
     return drafter
+
+
+# ------------------------------------------------------------------------------------------------------ export
+EXPORT_LAYOUTS = ("speculators", "specforge")
+DEFAULT_SPECULATIVE_TOKENS = 3  # speculators convert's default for EAGLE-3
+
+
+def layer_config(c) -> dict:
+    """The draft decoder layer as a ``LlamaConfig`` dict (speculators' ``transformer_layer_config``, SpecForge's top
+    level): RoPE both as ``rope_theta`` / ``rope_scaling`` (transformers 4.x readers) and ``rope_parameters`` (5.x)."""
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = None if kind == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim, "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "hidden_act": c.hidden_act,
+        "attention_bias": c.attention_bias, "mlp_bias": False, "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings, "rope_theta": c.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": c.rope_theta},
+        "tie_word_embeddings": False,
+    }
+
+
+def export_eagle3(drafter_or_path, out, verifier=None, speculative_tokens: int | None = None,
+                  dtype: torch.dtype | None = None, layout: str = "speculators") -> Exported:
+    """Write an EAGLE-3 drafter where a serving engine loads it.
+
+    * ``layout="speculators"`` (vLLM: ``vllm serve <out>``): ``config.json`` is an ``Eagle3SpeculatorConfig``
+      (``architectures: ["Eagle3Speculator"]``, ``transformer_layer_config`` = the draft layer as a LlamaConfig,
+      ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual`` always written -- vLLM takes a missing
+      one as ``true`` --, ``eagle_aux_hidden_state_layer_ids`` = our HF ``hidden_states`` indices as they are, the
+      ``speculators_config`` block); ``model.safetensors`` holds ``fc``, ``layers.0.*``, ``norm``, ``lm_head`` and,
+      with a draft vocabulary, ``d2t`` / ``t2d``.
+    * ``layout="specforge"`` (SGLang ``--speculative-algorithm EAGLE3``): a LlamaConfig with ``architectures:
+      ["LlamaForCausalLMEagle3"]`` and ``eagle_config.eagle_aux_hidden_state_layer_ids`` counted as SGLang counts
+      them (layer outputs: our index - 1); keys ``midlayer.*`` as ours.
+
+    The target's embedding is never written (ours is always the target's; both engines share the target's).
+
+    Args:
+        drafter_or_path: an ``Eagle3Drafter``, a folder or Hub id in hf_specdec's format, or a published layout
+            :func:`convert_eagle3` reads.
+        out: the folder to write.
+        verifier: the target (Hub id, folder, config or model); default: the target the drafter records.
+        speculative_tokens: drafts per step the config proposes (default 3).
+        dtype: store floating weights in this dtype (default: as they are).
+    """
+    from hf_specdec.modeling.eagle3 import Eagle3Drafter, default_target_layer_ids
+
+    if layout not in EXPORT_LAYOUTS:
+        raise ConversionError(f"Unknown export layout {layout!r}; choose from {', '.join(EXPORT_LAYOUTS)}.")
+    drafter = drafter_to_export(drafter_or_path, Eagle3Drafter, convert_eagle3)
+    c = drafter.config
+    target = resolve_verifier(verifier, c.target_model, c)
+    ids = c.target_layer_ids
+    if ids is None and target.num_hidden_layers is not None:
+        ids = default_target_layer_ids(target.num_hidden_layers)
+    k = DEFAULT_SPECULATIVE_TOKENS if speculative_tokens is None else speculative_tokens
+    tensors = {name: t for name, t in drafter.state_dict().items() if name != "embed_tokens.weight"}
+    if c.draft_vocab_size == c.vocab_size:  # the identity mapping: engines need none
+        tensors.pop("d2t")
+        tensors.pop("t2d")
+    if layout == "specforge":
+        if c.norm_before_residual:
+            raise ConversionError("norm_before_residual=true (a speculators variant) has no SpecForge/SGLang field: "
+                                  "export with layout='speculators'.")
+        if ids is not None and min(ids) < 1:
+            raise ConversionError(f"SGLang counts feature layers as layer outputs (HF index - 1): the index 0 in "
+                                  f"{ids} (the embeddings) cannot be written.")
+        config = {**layer_config(c), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size":
+                  c.draft_vocab_size, "target_hidden_size": c.target_hidden_size}
+        if ids is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids],
+                                      "use_aux_hidden_state": True}
+        serve = (f"python -m sglang.launch_server --model-path {target.name_or_path} --speculative-algorithm EAGLE3 "
+                 f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                 f"--speculative-num-draft-tokens {k + 1}")
+        return write_export(out, config, tensors, dtype, serve)
+    tensors = {("layers.0." + n[len("midlayer."):]) if n.startswith("midlayer.") else n: t for n, t in tensors.items()}
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        **speculators_fields("eagle3", k, target),
+        "transformer_layer_config": layer_config(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(ids) if ids is not None else None,
+        "norm_before_residual": bool(c.norm_before_residual),
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+    }
+    return write_export(out, config, tensors, dtype, f"vllm serve {out}   # or: "
+                        + vllm_serve_command(out, target, "eagle3", k))

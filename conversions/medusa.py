@@ -17,6 +17,9 @@ Three layouts are read as published:
   ``medusa_head.{i}.{L}.weight`` to the base model's keys. The heads are split off; with ``base_out`` the base model
   (trained with them, so it is their target) is written as a plain transformers folder.
 
+:func:`export_medusa` writes heads in the vllm layout (speculators 0.9.0 has no Medusa model), which
+:func:`convert_medusa` reads back.
+
 The reference builds a head's blocks as ``[ResBlock(H)] * L``: one module applied ``L`` times, which
 ``load_state_dict(strict=False)`` fills from every ``{i}.{j}.linear.*`` in turn, so the last ``j`` wins. That is
 reproduced (``shared_layers=True`` with the weights of the last ``j``); vLLM's blocks are separate modules.
@@ -43,12 +46,17 @@ import torch
 
 from .common import (
     ConversionError,
+    Exported,
     check_shapes,
     check_weight_files,
+    drafter_to_export,
     load_pickled_state_dict,
     load_target_config,
     read_config,
     resolve_source,
+    resolve_verifier,
+    vllm_serve_command,
+    write_export,
 )
 
 LAYOUTS = ("medusa", "vllm", "medusa2")
@@ -356,3 +364,53 @@ def convert_medusa(source: str | os.PathLike, out: str | os.PathLike | None = No
     if base_out is not None:
         save_base(cfg, tensors, folder, base_out, dtype)
     return heads
+
+
+# ------------------------------------------------------------------------------------------------------ export
+def export_medusa(drafter_or_path, out, verifier=None, speculative_tokens: int | None = None,
+                  dtype: torch.dtype | None = None) -> Exported:
+    """Write Medusa heads in vLLM's Medusa layout (``--speculative-config '{"method": "medusa", "model": <out>}'``).
+
+    ``config.json`` holds vLLM's ``MedusaConfig`` fields: ``model_type: "medusa"``, ``architectures:
+    ["MedusaModel"]``, ``hidden_size``, ``vocab_size``, ``num_heads``, ``num_hidden_layers`` (blocks per head),
+    ``truncated_vocab_size`` (the draft vocabulary), ``medusa_fc_bias: true`` (our blocks have biases),
+    ``original_lm_head: false``, ``base_model_name_or_path`` (the verifier). ``model.safetensors`` holds
+    ``blocks.{i}.layers.{j}.weight/bias``, ``lm_heads.{i}.weight`` and, with a draft vocabulary, ``token_map``
+    (vLLM reads it only then). A head whose blocks are one module applied ``L`` times (``shared_layers``, the
+    reference's quirk) is written as ``L`` copies of it: the same network, which reads back with ``shared_layers``
+    off. ``speculative_tokens`` (default: every head) is at most the number of heads.
+
+    Args: as :func:`hf_specdec.conversions.eagle3.export_eagle3` (``drafter_or_path``: ``MedusaHeads``, a folder or
+    Hub id in hf_specdec's format, or a layout :func:`convert_medusa` reads).
+    """
+    from hf_specdec.modeling.medusa import MedusaHeads
+
+    heads = drafter_to_export(drafter_or_path, MedusaHeads, convert_medusa)
+    c = heads.config
+    if c.hidden_act != "silu":
+        raise ConversionError(f"vLLM's Medusa blocks use SiLU; these heads use {c.hidden_act}.")
+    target = resolve_verifier(verifier, c.base_model_name_or_path, c)
+    k = c.medusa_num_heads if speculative_tokens is None else speculative_tokens
+    if not isinstance(k, int) or not 1 <= k <= c.medusa_num_heads:
+        raise ConversionError(f"speculative_tokens must be 1..{c.medusa_num_heads} (one draft per head), got {k!r}.")
+    state = heads.state_dict()
+    tensors = {}
+    for i in range(c.medusa_num_heads):
+        for j in range(c.medusa_num_layers):
+            stored = j if not c.shared_layers else 0
+            for part in ("weight", "bias"):
+                tensors[f"blocks.{i}.layers.{j}.{part}"] = state[f"blocks.{i}.layers.{stored}.{part}"]
+        tensors[f"lm_heads.{i}.weight"] = state[f"lm_heads.{i}.weight"]
+    if c.draft_vocab_size < c.vocab_size:
+        tensors["token_map"] = state["token_map"]
+    elif not torch.equal(state["token_map"].cpu(), torch.arange(c.vocab_size)):
+        raise ConversionError("token_map reorders the whole vocabulary; vLLM reads a token_map only for a truncated "
+                              "vocabulary (truncated_vocab_size < vocab_size).")
+    # vLLM renames every key holding "num" and "heads" / "layers" to num_heads / num_hidden_layers: write no others
+    config = {
+        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size, "num_heads": c.medusa_num_heads, "num_hidden_layers": c.medusa_num_layers,
+        "truncated_vocab_size": c.draft_vocab_size, "medusa_fc_bias": True, "original_lm_head": False,
+        "max_paths": 64, "topk": 10, "base_model_name_or_path": target.name_or_path,
+    }
+    return write_export(out, config, tensors, dtype, vllm_serve_command(out, target, "medusa", k))

@@ -38,6 +38,12 @@ loader with the family's own conversion mapping (``get_checkpoint_conversion_map
 ``from_pretrained`` of the family would load them; parameters the family keeps in fp32
 (``_keep_in_fp32_modules_strict``: DeepSeek's / GLM's router) stay fp32.
 
+A **speculators** MTP folder (``speculators_model_type: "mtp"``: speculators' ``MTPDraftModel``, one module, Qwen3 /
+Qwen3-Next / Qwen3.5 blocks; ``transformer_layer_config`` = the target's text config, keys
+``mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` beside the block's own) is read too
+(:data:`SPECULATORS_LAYOUT`); the module takes the names of its family's published layout (``qwen3_next`` for
+Qwen3-Next / Qwen3.5, else ``deepseek``, the layout hf_specdec trains). :func:`export_mtp` writes that folder.
+
 A folder that is already in hf_specdec's format (``model_type: "hf_specdec_mtp"``) is refused with a message to load
 it with ``MTPModule.from_pretrained`` (``conversions.common.load_converted_or_published`` does either).
 
@@ -64,9 +70,27 @@ import torch
 
 from hf_specdec.modeling.mtp import LAYOUTS as _MODEL_LAYOUTS
 
-from .common import ConversionError, check_weight_file, load_target_config, read_config, resolve_source
+from .common import (
+    ConversionError,
+    Exported,
+    check_weight_file,
+    drafter_to_export,
+    load_target_config,
+    load_weights,
+    read_config,
+    resolve_source,
+    resolve_verifier,
+    speculators_fields,
+    vllm_serve_command,
+    write_export,
+)
 
 LAYOUTS = _MODEL_LAYOUTS
+SPECULATORS_LAYOUT = "speculators"  # speculators' MTPDraftModel folder (read back; see export_mtp)
+# the block families speculators 0.9.0's MTPDraftModel builds (models/mtp/model_definitions.py)
+SPECULATORS_MTP_TYPES = ("qwen3", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_SPECULATORS_PREFIX = "mtp_layers.0."
+DEFAULT_SPECULATIVE_TOKENS = 3  # the chain an export proposes
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -380,6 +404,16 @@ def _load_state(module, state: dict[str, torch.Tensor], names: dict[str, str], w
                               + "; ".join(problems) + ".")
 
 
+def _check_fit(config, target, source) -> None:
+    """``config`` must fit ``target`` (when given)."""
+    target_cfg = _target_config(target)
+    if target_cfg is not None:
+        try:
+            config.check_target(target_cfg)
+        except ValueError as err:
+            raise ConversionError(f"{source}: {err}") from err
+
+
 def _target_config(target):
     if target is None:
         return None
@@ -399,12 +433,13 @@ def convert_mtp(source: str | os.PathLike, out: str | os.PathLike | None = None,
 
     Fetched: ``config.json`` and ``model.safetensors.index.json`` first, then only the shard(s) the index names for
     MTP tensors (an unsharded ``model.safetensors`` is fetched whole), all at the commit ``revision`` resolves to.
-    ``layout`` (default: detected) is one of :data:`LAYOUTS`. With ``target`` (a path, repo id, config or model)
-    the module is checked against the target's config (hidden size, vocabulary, layer count). With ``out`` it is
-    also saved there (``save_pretrained``). Weights are kept in ``dtype`` (default: the published dtype; FP8 ->
-    bf16), except what the family keeps in fp32. Returns the module in eval mode (not bound: ``bind_target``).
+    ``layout`` (default: detected) is one of :data:`LAYOUTS` or :data:`SPECULATORS_LAYOUT`. With ``target`` (a path,
+    repo id, config or model) the module is checked against the target's config (hidden size, vocabulary, layer
+    count). With ``out`` it is also saved there (``save_pretrained``). Weights are kept in ``dtype`` (default: the
+    published dtype; FP8 -> bf16), except what the family keeps in fp32. Returns the module in eval mode (not bound:
+    ``bind_target``).
     """
-    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, block_config_for
+    from hf_specdec.modeling.mtp import MTPConfig, block_config_for
 
     folder = resolve_source(source, revision, [CONFIG, INDEX])
     pinned = _pin(source, folder, revision)
@@ -412,6 +447,8 @@ def convert_mtp(source: str | os.PathLike, out: str | os.PathLike | None = None,
     if cfg.get("model_type") == MTPConfig.model_type:
         raise ConversionError(f"{source} is already in hf_specdec's MTP format: load it with "
                               "MTPModule.from_pretrained (or pass it as drafter=).")
+    if cfg.get("speculators_model_type") == "mtp" or layout == SPECULATORS_LAYOUT:
+        return _convert_speculators(source, pinned, cfg, target, dtype, out)
     weight_map = _read_index(folder)
     sharded = weight_map is not None
     if not sharded:
@@ -460,12 +497,18 @@ def convert_mtp(source: str | os.PathLike, out: str | os.PathLike | None = None,
                            base_model_name_or_path=str(source))
     except ValueError as err:
         raise ConversionError(f"{what}: {err}") from err
-    target_cfg = _target_config(target)
-    if target_cfg is not None:
-        try:
-            config.check_target(target_cfg)
-        except ValueError as err:
-            raise ConversionError(f"{source}: {err}") from err
+    _check_fit(config, target, source)
+
+    module = _build(config, state, names, weight_dtype, what)
+    if out is not None:
+        module.save_pretrained(str(out))
+    return module
+
+
+def _build(config, state: dict[str, torch.Tensor], names: dict[str, str], weight_dtype: torch.dtype, what: str):
+    """The :class:`MTPModule` of ``config`` holding ``state`` (our names; ``names``: ours -> the checkpoint's, for
+    errors), in ``weight_dtype`` except what the family keeps in fp32; eval mode."""
+    from hf_specdec.modeling.mtp import MTPModule
 
     default = torch.get_default_dtype()
     try:  # built as from_pretrained builds: on the meta device, in the weights' dtype (fp32 where a class says so)
@@ -485,10 +528,151 @@ def convert_mtp(source: str | os.PathLike, out: str | os.PathLike | None = None,
                 holder._parameters[attr] = torch.nn.Parameter(tensor.float(), requires_grad=tensor.requires_grad)
             else:
                 holder._buffers[attr] = tensor.float()
-    state["token_map"] = torch.arange(config.draft_vocab_size)
+    state = {**state, "token_map": torch.arange(config.draft_vocab_size)}
     _load_state(module, state, names, what)
     module.config.dtype = weight_dtype
-    module = module.eval()
+    return module.eval()
+
+
+# ------------------------------------------------------------------------------------------ speculators layout
+def _speculators_names(module) -> dict[str, str]:
+    """speculators' module prefix -> ours, for module 0 of ``module``: its four input/output parts and its block."""
+    emb_norm, hid_norm, proj, block, out_norm = module.parts(0)
+    ours = {id(m): n for n, m in module.named_modules()}
+    return {"token_layernorm": ours[id(emb_norm)], "hidden_layernorm": ours[id(hid_norm)],
+            "input_proj": ours[id(proj)], "final_layernorm": ours[id(out_norm)], "": ours[id(block)]}
+
+
+def _layer_text_config(layer: dict, what: str):
+    """The transformers text config of a speculators ``transformer_layer_config``."""
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in layer.items() if k not in _DROPPED_CONFIG}
+    try:
+        return AutoConfig.for_model(data.pop("model_type"), **data).get_text_config(decoder=True)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ConversionError(f"{what}: transformer_layer_config does not make a transformers config: {err}") from err
+
+
+def _convert_speculators(source, revision, cfg: dict, target, dtype, out):
+    """:func:`convert_mtp` for a speculators ``MTPDraftModel`` folder (see the module docstring)."""
+    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, block_config_for
+
+    what = f"{source} ({SPECULATORS_LAYOUT} layout)"
+    layer = cfg.get("transformer_layer_config")
+    if cfg.get("speculators_model_type") != "mtp" or not isinstance(layer, dict):
+        raise ConversionError(f"{what}: not a speculators MTP config (speculators_model_type 'mtp' with a "
+                              "transformer_layer_config).")
+    if cfg.get("num_nextn_predict_layers", 1) != 1:
+        raise ConversionError(f"{what}: num_nextn_predict_layers={cfg['num_nextn_predict_layers']}; speculators' MTP "
+                              "format holds one module.")
+    text = _layer_text_config(layer, what)
+    name = "qwen3_next" if text.model_type in _QWEN3_NEXT_TYPES else "deepseek"
+    verifier = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    try:
+        config = MTPConfig(block_config=block_config_for(text, 1), num_modules=1, layout=name,
+                           vocab_size=text.vocab_size, num_target_layers=text.num_hidden_layers,
+                           base_model_name_or_path=verifier or str(source))
+    except ValueError as err:
+        raise ConversionError(f"{what}: {err}") from err
+    _check_fit(config, target, source)
+    folder = resolve_source(source, revision, [CONFIG, SINGLE, INDEX, "model-*.safetensors"])
+    tensors = load_weights(folder)
+    with torch.device("meta"):
+        mapping = _speculators_names(MTPModule(config))
+    state, names, unknown = {}, {}, []
+    for key, value in tensors.items():
+        if key in ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"):
+            continue  # the verifier's, filled in at load time
+        if not key.startswith(_SPECULATORS_PREFIX):
+            unknown.append(key)
+            continue
+        rest = key[len(_SPECULATORS_PREFIX):]
+        part, _, tail = rest.partition(".")
+        ours = f"{mapping[part]}.{tail}" if part in mapping else f"{mapping['']}.{rest}"
+        state[ours], names[ours] = value, key
+    if unknown:
+        raise ConversionError(f"{what}: unexpected tensors {sorted(unknown)[:6]} (expected {_SPECULATORS_PREFIX}*).")
+    floats = [v.dtype for v in state.values() if v.is_floating_point()]
+    module = _build(config, state, names, dtype or (floats[0] if floats else torch.float32), what)
     if out is not None:
         module.save_pretrained(str(out))
     return module
+
+
+def export_mtp(drafter_or_path, out, verifier=None, speculative_tokens: int | None = None,
+               dtype: torch.dtype | None = None) -> Exported:
+    """Write an MTP module in speculators' MTP layout (``MTPDraftModel``; ``vllm serve <out>`` where vLLM's
+    speculators reader knows ``mtp``).
+
+    ``config.json``: ``architectures: ["MTPDraftModel"]``, ``transformer_layer_config`` = the block's family config
+    with ``num_hidden_layers`` = the target's layer count (speculators reads the target's last hidden state as
+    layer ``num_hidden_layers``), ``num_nextn_predict_layers: 1`` and the ``speculators_config`` block
+    (``speculative_tokens``: the chain's length, default :data:`DEFAULT_SPECULATIVE_TOKENS`).
+    ``model.safetensors``: ``mtp_layers.0.{token_layernorm, hidden_layernorm, input_proj, final_layernorm}`` (our
+    embedding norm, hidden norm, projection -- embedding first -- and output norm) and the block's own keys under
+    ``mtp_layers.0.``; no embedding or LM head (the target's).
+
+    What the format cannot hold is refused, naming why: parallel heads (no engine serves them), more than one module,
+    a draft vocabulary (speculators' MTP scores the whole vocabulary), a block family speculators has no MTP layer for
+    (:data:`SPECULATORS_MTP_TYPES`; vLLM serves MTP for DeepSeek-V3, GLM-4.x, Qwen3-Next, Qwen3.5 and MiMo from the
+    target checkpoint's own MTP layers, ``--speculative-config '{"method": "mtp"}'``, and has no separate-drafter
+    format for other families), MiMo's hidden-first projection, and chaining on the pre-norm block output
+    (``chain_hidden="block"``; speculators chains the normed output).
+    """
+    from hf_specdec.modeling.mtp import MTPModule, ParallelMTPHeads
+
+    module = drafter_to_export(drafter_or_path, (MTPModule, ParallelMTPHeads), convert_mtp)
+    if isinstance(module, ParallelMTPHeads):
+        raise ConversionError("Parallel MTP heads (Gloeckle et al.) have no serving layout: speculators and vLLM serve "
+                              "sequential MTP modules only.")
+    c = module.config
+    family = c.block_config.get("model_type")
+    problems = []
+    if c.num_modules != 1:
+        problems.append(f"it has {c.num_modules} modules; speculators' MTP format holds one")
+    if family not in SPECULATORS_MTP_TYPES:
+        problems.append(f"its blocks are {family!r}; speculators' MTPDraftModel builds "
+                        f"{', '.join(SPECULATORS_MTP_TYPES)} blocks only (vLLM serves MTP for DeepSeek-V3, GLM-4.x, "
+                        "Qwen3-Next, Qwen3.5 and MiMo from the target checkpoint's own MTP layers, "
+                        "--speculative-config '{\"method\": \"mtp\"}', and has no separate-drafter format for other "
+                        "families)")
+    if c.draft_vocab_size != c.vocab_size:
+        problems.append(f"it scores {c.draft_vocab_size} of the {c.vocab_size} tokens; speculators' MTP scores the "
+                        "whole vocabulary with the target's LM head")
+    elif not torch.equal(module.token_map.cpu(), torch.arange(c.vocab_size)):
+        problems.append("its token_map reorders the vocabulary")
+    if c.layout == "mimo":
+        problems.append("its projection reads the hidden state first (MiMo); speculators' reads the embedding first")
+    if c.chain_hidden != "normed":
+        problems.append(f"it chains on {c.chain_hidden!r}; speculators chains the normed output")
+    if problems:
+        raise ConversionError("This MTP module cannot be exported to a serving layout: " + "; ".join(problems) + ".")
+    target = resolve_verifier(verifier, c.base_model_name_or_path, c)
+    n = c.num_target_layers or target.num_hidden_layers
+    if n is None:
+        raise ConversionError("The module records no target layer count and the verifier's config is unknown.")
+    layer = {k: v for k, v in c.block_config.items()
+             if k not in _DROPPED_CONFIG + ("_model_name_or_path", "dtype", "torch_dtype")}
+    layer["num_hidden_layers"] = n
+    if layer.get("layer_types") is not None:
+        layer["layer_types"] = (list(layer["layer_types"]) * n)[:n]
+    k = DEFAULT_SPECULATIVE_TOKENS if speculative_tokens is None else speculative_tokens
+    config = {"architectures": ["MTPDraftModel"], **speculators_fields("mtp", k, target),
+              "transformer_layer_config": layer, "num_nextn_predict_layers": 1}
+    mapping = _speculators_names(module)
+    theirs = {ours: part for part, ours in mapping.items() if part}
+    block = mapping[""]
+    tensors = {}
+    for key, value in module.state_dict().items():
+        if key == "token_map":
+            continue
+        owner = next((p for p in theirs if key.startswith(p + ".")), None)
+        if owner is not None:
+            tensors[f"{_SPECULATORS_PREFIX}{theirs[owner]}.{key[len(owner) + 1:]}"] = value
+        elif key.startswith(block + "."):
+            tensors[_SPECULATORS_PREFIX + key[len(block) + 1:]] = value
+        else:
+            raise ConversionError(f"{key} belongs to no part of the MTP module.")
+    return write_export(out, config, tensors, dtype, f"vllm serve {out}   # or: "
+                        + vllm_serve_command(out, target, "mtp", k))

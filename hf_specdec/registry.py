@@ -110,6 +110,9 @@ class DrafterSpec:
         check: ``check(target, drafter)`` raises when the drafter does not fit the target (objects and loaded).
         convert: ``convert(source, out, revision=, target=, layout=, dtype=)`` for ``hf-specdec convert``.
         layouts: the published layouts ``convert`` reads (``--layout``).
+        export: ``export(drafter_or_path, out, verifier=, speculative_tokens=, dtype=) -> Exported`` for
+            ``hf-specdec export``: the drafter written in the layout a serving engine loads (the speculators format
+            ``vllm serve <folder>`` reads, or the engine's own), which ``convert`` reads back.
         shipped: target model id -> folder under ``hf_specdec/drafters`` trained by this project.
         flag: the CLI option naming it for ``demo`` / ``bench`` (default: ``--<method>``).
         required: the method cannot run without one.
@@ -130,6 +133,7 @@ class DrafterSpec:
     check: Callable[[Any, Any], None] | None = None
     convert: Callable | None = None
     layouts: tuple[str, ...] = ()
+    export: Callable | None = None
     shipped: Mapping[str, str] = field(default_factory=dict)
     flag: str | None = None
     required: bool = True

@@ -156,6 +156,12 @@ def _convert(source, out=None, **kwargs):
     return convert_mtp(source, out, **kwargs)
 
 
+def _export(drafter, out, **kwargs):
+    from ..conversions.mtp import export_mtp
+
+    return export_mtp(drafter, out, **kwargs)
+
+
 def _load(source, target):
     """A folder hf_specdec wrote (sequential module or parallel heads) loads with ``from_pretrained``; a published
     checkpoint (DeepSeek-V3, GLM-4.x, Qwen3-Next / Qwen3.5, MiMo) is converted in memory, fetching only its MTP
@@ -214,6 +220,7 @@ METHOD = Method(
         accepts=(MTPModule, ParallelMTPHeads),
         convert=_convert,
         layouts=LAYOUTS,
+        export=_export,
         shipped={SMOLLM2: "smollm2-135m-instruct-mtp"},
         train=_train,
         more_training={"mtp-parallel": ("parallel MTP heads (Gloeckle et al.) on the target's trunk",
