@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .trainer import TrainConfig, train
+from .trainer import TrainConfig, main_process_first, mean_denominator, train
 
 
 def prepare_features(target, tokenizer, out_dir, layer_ids, samples: int, max_length: int, seed: int = 0,
@@ -29,6 +29,8 @@ def prepare_features(target, tokenizer, out_dir, layer_ids, samples: int, max_le
         fits = info.get("num_samples") == samples or (data_path is not None and info.get("num_samples", 0) <= samples)
         if info.get("layer_ids") != list(layer_ids) or not fits:
             raise ValueError(f"{folder} holds features for other settings ({info}); use another --features folder.")
+        if len(list(folder.glob("shard_*.safetensors"))) == -(-info["num_samples"] // info["shard_size"]):
+            return folder  # complete (e.g. written by process 0 of a distributed run): no data to prepare again
     data = training_samples(tokenizer, samples, max_length=max_length, seed=seed, target=target,
                             regenerate_max_new_tokens=regenerate_max_new_tokens, data_path=data_path)
     if progress:
@@ -55,9 +57,10 @@ def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_
     folders = [Path(f) for f in folders]
     if len(folders) != len(paths):
         raise ValueError(f"{len(paths)} data files need as many feature folders, got {len(folders)}.")
-    for path, folder in zip(paths, folders):
-        prepare_features(target, tokenizer, folder, layer_ids, samples, max_length, seed, progress,
-                         regenerate_max_new_tokens, path)
+    with main_process_first() as main:  # under accelerate launch: process 0 builds the cache, the others read it
+        for path, folder in zip(paths, folders):
+            prepare_features(target, tokenizer, folder, layer_ids, samples, max_length, seed, progress and main,
+                             regenerate_max_new_tokens, path)
     return out, layer_ids, FeatureShards(*folders)
 
 
@@ -296,7 +299,8 @@ def train_parallel_mtp(target, tokenizer, out_dir, heads: int = 3, draft_vocab: 
     text = target.config.get_text_config()
     out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
                                      regenerate_max_new_tokens, data_path)
-    data = ExitShards(shards, exit_features(target, shards, text.num_hidden_layers - 1, progress))
+    with main_process_first() as main:
+        data = ExitShards(shards, exit_features(target, shards, text.num_hidden_layers - 1, progress and main))
     torch.manual_seed(seed)
 
     def build(size):
@@ -325,7 +329,8 @@ def train_exit_adapter(target, tokenizer, out_dir, exit_layer: int = 4, draft_vo
     text = target.config.get_text_config()
     out, _, shards = shared_features(target, tokenizer, out_dir, features_dir, samples, max_length, seed, progress,
                                      regenerate_max_new_tokens, data_path)
-    data = ExitShards(shards, exit_features(target, shards, exit_layer, progress))
+    with main_process_first() as main:
+        data = ExitShards(shards, exit_features(target, shards, exit_layer, progress and main))
     torch.manual_seed(seed)
     rope = getattr(text, "rope_parameters", None) or {}
 
@@ -402,7 +407,7 @@ def distillation_loss(student, target_head: torch.Tensor, batch: dict, temperatu
         p = torch.softmax(teacher / temperature, dim=-1)
     logq = torch.log_softmax(logits / temperature, dim=-1)
     per_pos = (p * (torch.log(p.clamp_min(1e-30)) - logq)).sum(-1)
-    count = mask.sum().clamp(min=1)
+    count = mean_denominator(mask.sum())  # a mean over the global batch
     loss = (per_pos * mask).sum() / count
     with torch.no_grad():
         acc = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum() / count

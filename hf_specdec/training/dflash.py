@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .trainer import mean_denominator
+
 
 def sample_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, count: int, generator=None) -> torch.Tensor:
     """Up to ``count`` anchor positions ``p`` with a loss-masked label at ``p + 1`` (sorted; -1 pads)."""
@@ -84,14 +86,14 @@ def block_loss(drafter, target_embed: torch.Tensor, target_head: torch.Tensor, b
             hit = (logits.argmax(-1) == labels) & keep
             correct += hit.sum(0).float()
             counted += keep.sum(0).float()
-    if weight_total == 0:
-        zero = drafter.fc.weight.sum() * 0.0
-        return zero, {"acc1": 0.0}
-    loss = total / weight_total
-    acc = correct / counted.clamp(min=1)
+    # means over the global batch (every process gets here: the denominators are summed over the processes)
+    weight = mean_denominator(torch.tensor(weight_total), floor=None)
+    acc = correct / mean_denominator(counted)
     metrics = {"acc0": float(acc[0]), "acc1": float(acc[1]) if size > 2 else 0.0,
                "acc_mean": float(acc.mean()), "tau_est": float(1 + torch.cumprod(acc, 0).sum())}
-    return loss, metrics
+    if weight_total == 0:  # no label here
+        return drafter.fc.weight.sum() * 0.0, metrics
+    return total / weight, metrics
 
 
 def layer_ids_from_features(hidden_indices: list[int]) -> list[int]:

@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .trainer import mean_denominator
+
 
 def draft_vocabulary(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d2t, t2d)`` for the ``size`` most frequent target tokens (draft ids = those tokens in ascending order)."""
@@ -55,6 +57,11 @@ def ttt_loss(drafter, target_head: torch.Tensor, batch: dict, steps: int = 7, de
         target_p = torch.softmax(target_logits.float(), dim=-1)
         # the target's greedy token must be a draft token (the reference's position mask)
         full_argmax_in_draft = drafter.t2d[batch["target_argmax"].long()]
+        # row t at step j predicts x_{t+2+j}: the target's distribution at position t+1+j, on real loss-masked
+        # tokens whose target argmax is a draft token
+        masks = [_shift(valid, 2 + j) & _shift(batch["valid"], 1 + j) & _shift(full_argmax_in_draft, 1 + j)
+                 for j in range(steps)]
+        counts = mean_denominator(torch.stack([m.sum() for m in masks]))  # means over the global batch
     causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
     hidden = drafter.project(feats)
     keys_v = []  # (k, v) of steps >= 1 at the same row
@@ -88,13 +95,13 @@ def ttt_loss(drafter, target_head: torch.Tensor, batch: dict, steps: int = 7, de
         out = out.transpose(1, 2).reshape(bsz, length, attn.num_heads * attn.head_dim)
         hidden = residual + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        # row t at step j predicts x_{t+2+j}: the target's distribution at position t+1+j; the head scores only the
-        # rows under the loss (about half of a padded batch), the draft head being about half of a step's cost
-        mask = _shift(valid, 2 + j) & _shift(batch["valid"], 1 + j) & _shift(full_argmax_in_draft, 1 + j)
+        # the head scores only the rows under the loss (about half of a padded batch), the draft head being about
+        # half of a step's cost
+        mask = masks[j]
         logits = drafter.lm_head(drafter.norm(hidden[mask])).float()
         p = _shift(target_p, 1 + j)[mask]
         logq = F.log_softmax(logits, dim=-1)
-        count = mask.sum().clamp(min=1)
+        count = counts[j]
         step_loss = -(p * logq).sum() / count
         total = total + (decay ** j) * step_loss
         weight_sum += decay ** j

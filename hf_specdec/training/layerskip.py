@@ -16,7 +16,6 @@ Two routes (see docs/training.md):
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -27,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .eagle3 import _shift
+from .trainer import mean_denominator
 
 
 # ------------------------------------------------------------------------------------------------ exit adapter
@@ -113,17 +113,15 @@ def exit_adapter_loss(adapter, batch: dict, temperature: float = 1.0):
     with torch.no_grad():
         target_logits = head(batch["last"][scored].to(head.weight.dtype)).float()
         target_p = torch.softmax(target_logits / temperature, dim=-1)
-    if logits.shape[0]:
-        loss = -(target_p * torch.log_softmax(logits / temperature, dim=-1)).sum(-1).mean()
-    else:
-        loss = logits.sum() * 0.0
+    count = mean_denominator(scored.sum())  # a mean over the global batch
+    loss = -(target_p * torch.log_softmax(logits / temperature, dim=-1)).sum() / count
     with torch.no_grad():
         greedy = batch["target_argmax"].long()  # [B, T]: the target's token after t
         hits = (adapter.draft_to_target(all_logits.argmax(-1)) == greedy) & scored
-        acc = float(hits.sum() / scored.sum().clamp(min=1))
+        acc = float(hits.sum() / count)
         run = torch.stack([_shift(hits, i) for i in range(4)], -1).long().cumprod(-1).sum(-1)  # [B, T]
         tau = float(1 + run[scored].float().mean()) if scored.any() else 1.0
-        entropy = -(target_p * torch.log(target_p.clamp(min=1e-30))).sum(-1).mean() if logits.shape[0] else 0.0
+        entropy = -(target_p * torch.log(target_p.clamp(min=1e-30))).sum() / count
         kl = float(loss.detach() - entropy)
     return loss, {"acc": acc, "tau_chain4": tau, "kl": kl}
 
@@ -186,6 +184,7 @@ def layerskip_loss(model, batch: dict, step: int, rates: torch.Tensor, curriculu
     hidden = stack.embed(ids)
     rope = stack.rotary(hidden, pos)
     total = hidden.sum() * 0.0
+    count = mean_denominator(scored.sum())  # a mean over the global batch
     metrics = {}
     for layer in range(n):
         out = stack.run(hidden, layer, layer + 1, None, rope, pos, None)
@@ -195,7 +194,7 @@ def layerskip_loss(model, batch: dict, step: int, rates: torch.Tensor, curriculu
         hidden = out
         if layer in weights:
             logits = stack.logits(hidden)[scored]
-            loss = F.cross_entropy(logits, labels[scored]) if logits.shape[0] else logits.sum() * 0.0
+            loss = F.cross_entropy(logits, labels[scored], reduction="sum") / count
             total = total + weights[layer] * loss
             metrics[f"loss_l{layer}"] = float(loss.detach())
     return total, metrics

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .eagle3 import _shift
+from .trainer import mean_denominator
 
 
 def draft_index(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -47,12 +48,14 @@ def medusa_loss(heads, draft_ids: torch.Tensor, batch: dict, decay: float = 1.0)
     with torch.no_grad():
         hits = (logits.argmax(-1) == target) & has  # [N, K]
     total = logits.sum() * 0.0  # keeps the graph when a batch has no label
+    counts = mean_denominator(trained.sum(0))  # means over the global batch
+    labelled = mean_denominator(has.sum(0))
     metrics, accs = {}, []
     for i in range(num):
         keep = trained[:, i]
-        loss_i = F.cross_entropy(logits[keep, i], target[keep, i]) if keep.any() else logits[:, i].sum() * 0.0
+        loss_i = F.cross_entropy(logits[keep, i], target[keep, i], reduction="sum") / counts[i]
         total = total + (decay ** i) * loss_i
-        accs.append(float(hits[:, i].sum() / has[:, i].sum().clamp(min=1)))
+        accs.append(float(hits[:, i].sum() / labelled[i]))
         metrics[f"loss{i}"] = float(loss_i.detach())
         metrics[f"acc{i}"] = accs[-1]
     metrics["tau_est"] = float(1 + torch.tensor(accs).cumprod(0).sum())

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from .eagle3 import _shift
+from .trainer import mean_denominator
 
 
 def _depth_mask(valid: torch.BoolTensor, depth: int, dtype) -> torch.Tensor:
@@ -39,7 +40,7 @@ def _depth_mask(valid: torch.BoolTensor, depth: int, dtype) -> torch.Tensor:
 
 
 def _soft_ce(logits: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    count = torch.tensor(max(logits.shape[0], 1), device=logits.device)
+    count = mean_denominator(torch.tensor(logits.shape[0], device=logits.device))  # a mean over the global batch
     loss = -(p * F.log_softmax(logits.float(), dim=-1)).sum() / count
     with torch.no_grad():
         acc = (logits.argmax(-1) == p.argmax(-1)).sum() / count

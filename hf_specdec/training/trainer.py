@@ -1,12 +1,17 @@
 """One training loop for every drafter, on Accelerate.
 
-``accelerate launch -m hf_specdec.cli train ...`` runs it on many GPUs (DDP, or DeepSpeed / FSDP through the
-Accelerate config) unchanged; here it runs as one CPU process. Checkpoints (model, optimizer, scheduler, RNG, step)
-are written every ``save_every`` steps with ``accelerator.save_state`` and the newest one is resumed automatically.
+``accelerate launch -m hf_specdec.cli train ...`` runs it in several processes (DDP on GPUs, gloo on CPUs, or
+DeepSpeed ZeRO-1/2 through the Accelerate config) with the same result as one process taking the same global batch
+(``processes x batch_size`` sequences per micro-batch): process ``i`` takes the ``i``-th of every ``processes``
+consecutive micro-batches of the one shuffled order, losses are means over the global micro-batch
+(:func:`mean_denominator`) and the logged metrics are reduced over the processes. Checkpoints (model, optimizer,
+scheduler, RNG, step) are written every ``save_every`` steps with ``accelerator.save_state`` and the newest one is
+resumed automatically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -17,6 +22,56 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+_PROCESSES = 1  # the data-parallel processes of the running train() (see mean_denominator)
+
+
+def mean_denominator(count: torch.Tensor, floor: float | None = 1) -> torch.Tensor:
+    """What a loss summed over this process's micro-batch is divided by to be its share of the mean over the global
+    micro-batch (all processes of :func:`train`); ``count``: how many items (tokens, or their weights; any shape)
+    the sum runs over here.
+
+    One process: ``count.clamp(min=floor)`` (``floor=None``: unclamped). ``N`` processes: the counts summed over
+    them (an all-reduce: every process must call this as often, with the same shape), clamped, divided by ``N``:
+    DDP / DeepSpeed averages the gradients over the processes, which turns ``local_sum * N / global_count`` into
+    the global mean, whatever the token counts of the shards. Metrics divided by it are reduced by their mean over
+    the processes (:func:`train` does)."""
+    if _PROCESSES == 1:
+        return count if floor is None else count.clamp(min=floor)
+    total = count.detach().clone()
+    torch.distributed.all_reduce(total)
+    return (total if floor is None else total.clamp(min=floor)) / _PROCESSES
+
+
+@contextlib.contextmanager
+def main_process_first():
+    """Process 0 runs the block first, then the others (which find what it wrote, e.g. the feature cache); a
+    no-op in one process. Yields whether this is process 0."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    with state.main_process_first():
+        yield state.is_main_process
+
+
+class _WithLoss(torch.nn.Module):
+    """``model`` whose ``forward(batch)`` is ``loss_fn(model, batch)``: the loss functions call the model's
+    submodules, so the loss must run inside the DDP / DeepSpeed wrapper's forward for the gradients to be
+    averaged over the processes. It shares the model's parameters, buffers and submodules (the same dicts, no
+    extra level): its state dict and checkpoints are the model's own."""
+
+    def __init__(self, model, loss_fn):
+        super().__init__()
+        self._parameters, self._buffers, self._modules = model._parameters, model._buffers, model._modules
+        object.__setattr__(self, "_wrapped", (model, loss_fn))  # not a submodule
+
+    def forward(self, batch):
+        model, loss_fn = self._wrapped
+        return loss_fn(model, batch)
+
+    def train(self, mode: bool = True):
+        self._wrapped[0].train(mode)  # its own flag too (the submodules are shared)
+        return super().train(mode)
 
 
 @dataclass
@@ -61,21 +116,47 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
     """Train ``model`` on ``dataset`` minimising ``loss_fn(model, batch) -> (loss, metrics dict)``.
 
     ``save_model(model, folder)`` writes a usable model (default: ``model.save_pretrained``). Returns the last
-    logged metrics.
+    logged metrics (means over the processes). Under ``accelerate launch``, ``config.batch_size`` is per process;
+    ``loss_fn`` should normalise with :func:`mean_denominator` for the result not to depend on the process count.
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
+    global _PROCESSES
+    from accelerate import Accelerator, DistributedType
+    from accelerate.utils import DistributedDataParallelKwargs
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, cpu=not torch.cuda.is_available())
+    # unused parameters: a loss may leave some out (DFlash on a micro-batch without a label)
+    accelerator = Accelerator(gradient_accumulation_steps=config.grad_accum, cpu=not torch.cuda.is_available(),
+                              step_scheduler_with_optimizer=False,
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+    sharded = accelerator.distributed_type == DistributedType.FSDP or (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and accelerator.state.deepspeed_plugin.hf_ds_config.is_zero3())
+    if sharded:
+        raise ValueError("FSDP and DeepSpeed ZeRO-3 shard the weights being trained, which the saved models need "
+                         "whole: use DDP or DeepSpeed ZeRO-1/2.")
+    _PROCESSES = accelerator.num_processes
+    try:
+        return _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress)
+    finally:
+        _PROCESSES = 1
+
+
+def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress):
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
     set_seed(config.seed)
+    # one shuffled order (the same seed in every process) whatever the process count: accelerate gives process i
+    # the i-th of every N consecutive batches, so N processes of batch_size b take, micro-batch by micro-batch, the
+    # samples one process of batch_size N * b takes
     loader = torch.utils.data.DataLoader(dataset, batch_size=config.batch_size, shuffle=True, collate_fn=_collate_pad,
                                          generator=torch.Generator().manual_seed(config.seed))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
-    steps_per_epoch = math.ceil(len(loader) / config.grad_accum)
+    raw = model
+    model, optimizer, loader = accelerator.prepare(_WithLoss(model, loss_fn), optimizer, loader)
+    steps_per_epoch = math.ceil(len(loader) / config.grad_accum)  # this process's share of the batches
     total = config.max_steps or max(1, int(steps_per_epoch * config.epochs))
     warmup = max(1, int(total * config.warmup_ratio))
 
@@ -84,8 +165,9 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    # stepped once per optimizer step below (the accelerator's own stepping would step it once per process)
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+    write_model = save_model or (lambda m, f: m.save_pretrained(f))
 
     step = 0
     resume = latest_checkpoint(out)
@@ -96,10 +178,11 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
 
     def save(tag: str):
         folder = out / tag
-        accelerator.save_state(str(folder))
+        accelerator.save_state(str(folder))  # every process (its RNG states)
+        accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             (folder / "trainer_state.json").write_text(json.dumps({"step": step, "config": asdict(config)}))
-            (save_model or (lambda m, f: m.save_pretrained(f)))(accelerator.unwrap_model(model), folder / "model")
+            write_model(raw, folder / "model")
             (folder / "done").write_text("ok")
 
     bar = tqdm(total=total, initial=step, desc="train", disable=not (progress and accelerator.is_main_process),
@@ -116,7 +199,7 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
             epoch_loader = accelerator.skip_first_batches(loader, skip)
         for batch in epoch_loader:
             with accelerator.accumulate(model):
-                loss, batch_metrics = loss_fn(model, batch)
+                loss, batch_metrics = model(batch)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(params, config.max_grad_norm)
@@ -130,7 +213,7 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
                 step += 1
                 bar.update(1)
                 if step % config.log_every == 0 or step == total:
-                    metrics = {k: sum(v) / len(v) for k, v in running.items()}
+                    metrics = _reduce_mean(accelerator, {k: sum(v) / len(v) for k, v in running.items()})
                     metrics.update(step=step, lr=scheduler.get_last_lr()[0],
                                    seconds=time.perf_counter() - started)
                     running = {}
@@ -146,5 +229,17 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
     bar.close()
     save(f"checkpoint-{step}")
     if accelerator.is_main_process:
-        (save_model or (lambda m, f: m.save_pretrained(f)))(accelerator.unwrap_model(model), out / "final")
+        write_model(raw, out / "final")
+    accelerator.wait_for_everyone()  # the callers read final/ back
     return metrics
+
+
+def _reduce_mean(accelerator, metrics: dict) -> dict:
+    """``metrics`` (floats) averaged over the processes: the global-batch values of losses and rates normalised
+    with :func:`mean_denominator`."""
+    if accelerator.num_processes == 1:
+        return metrics
+    keys = sorted(metrics)  # the same order in every process
+    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=accelerator.device)
+    reduced = dict(zip(keys, accelerator.reduce(values, reduction="mean").tolist()))
+    return {k: reduced[k] for k in metrics}
