@@ -349,3 +349,24 @@ def test_recipe_prompts_exclude_what_an_earlier_file_answered(tok, monkeypatch, 
     assert not answered & {p for _, p in more}
     assert set(p for _, p in first + more) == set(p for _, p in regen_mod.recipe_prompts(tok, sharegpt=0, gsm8k=6,
                                                                                          code=4))
+
+
+def test_resumed_run_follows_the_uninterrupted_one(tmp_path, tok, conversations):
+    """A run resumed from a checkpoint inside its second epoch takes the batches (and so the losses) of the run
+    that was never interrupted: each epoch's shuffle is seeded from the seed and the epoch."""
+    import shutil
+
+    target = tiny_model("llama", layers=4, hidden=32)
+    cfg = TrainConfig(epochs=3, batch_size=2, grad_accum=1, save_every=5, log_every=1, max_steps=7, lr=1e-3)
+    kw = dict(samples=8, max_length=64, draft_vocab=48, config=cfg, progress=False)
+    training.train_eagle3(target, tok, tmp_path / "a", **kw)
+    whole = [json.loads(line) for line in (tmp_path / "a" / "log.jsonl").read_text().splitlines()]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for extra in ["final", "checkpoint-7"]:
+        shutil.rmtree(tmp_path / "b" / extra)
+    (tmp_path / "b" / "log.jsonl").write_text("")
+    training.train_eagle3(target, tok, tmp_path / "b", **kw)  # resumes at step 5, inside the second epoch
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [6, 7]
+    for r in resumed:
+        assert r["loss"] == pytest.approx(whole[r["step"] - 1]["loss"], rel=1e-5)

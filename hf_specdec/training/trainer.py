@@ -150,8 +150,10 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
     # one shuffled order (the same seed in every process) whatever the process count: accelerate gives process i
     # the i-th of every N consecutive batches, so N processes of batch_size b take, micro-batch by micro-batch, the
     # samples one process of batch_size N * b takes
+    # epoch e shuffles with seed + e, so a run resumed inside an epoch takes the batches the uninterrupted run takes
+    shuffle = torch.Generator()
     loader = torch.utils.data.DataLoader(dataset, batch_size=config.batch_size, shuffle=True, collate_fn=_collate_pad,
-                                         generator=torch.Generator().manual_seed(config.seed))
+                                         generator=shuffle)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     raw = model
@@ -193,6 +195,7 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
     model.train()
     epoch = step // max(steps_per_epoch, 1)
     while step < total:
+        shuffle.manual_seed(config.seed + epoch)
         epoch_loader = loader
         skip = (step % steps_per_epoch) * config.grad_accum if step else 0
         if skip:
