@@ -1,5 +1,5 @@
-"""The ``hf-specdec`` command: demo, generate, bench, methods, convert, train, regenerate, install-hub-cache,
-publish-hub. Method names, their options, drafter flags and converters come from the registry
+"""The ``hf-specdec`` command: demo, generate, bench, methods, convert, export, train, regenerate, install-hub-cache,
+publish-hub. Method names, their options, drafter flags, converters and exporters come from the registry
 (:mod:`hf_specdec.registry`).
 
 Conventions shared by every subcommand:
@@ -140,6 +140,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """``bench --batch-size``: one size, or several comma-separated (a batched-throughput sweep)."""
+    try:
+        sizes = [_positive_int(t) for t in _split_methods(text)]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected batch sizes like 1,2,4,8,16, got {text!r} ({err})") from None
+    if not sizes:
+        raise argparse.ArgumentTypeError("no batch size given")
+    return list(dict.fromkeys(sizes))
+
+
 def _demo(args) -> int:
     from .demo import run_demo
 
@@ -172,7 +183,7 @@ def _load_model(path, dtype, device):
 
 
 def _bench(args) -> int:
-    from .bench import build_methods, markdown, mismatches, run_bench
+    from .bench import batch_markdown, batch_sweep, build_methods, markdown, mismatches, run_bench
     from .default_model import MODEL_ID
 
     model, tok = _load_model(args.target, args.dtype, args.device)
@@ -184,10 +195,16 @@ def _bench(args) -> int:
         if source is not None:
             drafters[flag] = registry.load_drafter(method, str(source), model)
     methods = build_methods(args.methods, **drafters)
+    common = dict(drafter=drafters.get("drafter"), config=vars(args) | {"func": None}, seed=args.seed,
+                  background_load=args.background_load)
+    if len(args.batch_size) > 1:
+        sweep = batch_sweep(model, tok, methods, args.datasets, args.batch_size, args.limit, args.max_new_tokens,
+                            out=args.out, **common)
+        print(batch_markdown(sweep))
+        print(f"\nwritten to {args.out}/ (batch.json, batch.md; one folder per batch size)")
+        return 1 if any(r["mismatches"] for r in sweep["summary"]) else 0
     result = run_bench(model, tok, methods, args.datasets, args.limit, args.max_new_tokens,
-                       batch_size=args.batch_size, drafter=drafters.get("drafter"), out=args.out,
-                       memory_check=args.memory_check, config=vars(args) | {"func": None}, seed=args.seed,
-                       background_load=args.background_load)
+                       batch_size=args.batch_size[0], out=args.out, memory_check=args.memory_check, **common)
     print(markdown(result))
     print(f"\nwritten to {args.out}/ (bench.json, bench.md, bench.csv, *.png)")
     return 1 if mismatches(result) else 0
@@ -296,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt sets, comma-separated, of {', '.join(DATASETS)}")
     p.add_argument("--limit", type=_positive_int, default=10, help="prompts per dataset")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
-    p.add_argument("--batch-size", type=_positive_int, default=1, help="prompts per generate() call")
+    p.add_argument("--batch-size", type=_batch_sizes, default=[1], metavar="B[,B...]",
+                   help="prompts per generate() call; several (1,2,4,8,16): one run per size on the same prompts and "
+                        "a batched-throughput table, batch.md (tokens/s of every method and plain batched generate())")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (Accelerate places the model)")
     p.add_argument("--out", default="bench_out", metavar="FOLDER",
@@ -343,6 +362,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "a plain transformers folder (default: only the heads are converted)")
     p.set_defaults(func=lambda a: _convert(a))
 
+    exporters = [m.name for _, m in drafter_methods if m.drafter.export is not None]
+    p = add("export", "write a drafter in the layout a serving engine loads (vLLM: the speculators format, "
+                      "`vllm serve <out>`; Medusa: vLLM's own)")
+    p.add_argument("method", help=f"the drafter's method: {', '.join(exporters)}")
+    p.add_argument("drafter", help="the drafter: a folder (hf_specdec's format or a published layout), a Hub repo id, "
+                                   "a shipped drafter (hf_specdec/drafters/<name> or <name>), or a target id a drafter "
+                                   "ships for (" + ", ".join(sorted({t for _, m in drafter_methods
+                                                                     for t in m.drafter.shipped})) + ")")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="output folder (config.json + model.safetensors)")
+    p.add_argument("--verifier", default=None,
+                   help="the target the drafter serves with (Hub id or folder; default: the one the drafter records)")
+    p.add_argument("--speculative-tokens", type=_positive_int, default=None, metavar="N",
+                   help="drafts per step the config proposes (default: eagle3 3, dflash block_size - 1, medusa every "
+                        "head, mtp 3)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="store weights in this dtype (default: as they are)")
+    p.add_argument("--layout", default=None,
+                   help="eagle3: speculators (vLLM, default) or specforge (SGLang); the other methods have one")
+    p.set_defaults(func=lambda a: _export(a))
+
     p = add("train", "train a drafter for a target on ShareGPT (Accelerate; resumable)")
     trainable = [(name, doc, m) for m in registry.methods() for name, (doc, _) in m.trainers.items()]
     p.add_argument("method", choices=[name for name, _, _ in trainable],
@@ -382,9 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps "
                                                               "(default: as many as --epochs takes)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch")
+    p.add_argument("--batch-size", type=int, default=2,
+                   help="sequences per micro-batch, per process under 'accelerate launch' (global batch: processes x "
+                        "batch size x grad accum)")
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
     p.add_argument("--save-every", type=int, default=100, help="optimizer steps between checkpoints")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="optimizer steps per line of <out>/log.jsonl (the metrics averaged over them)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data draw and the initialisation")
     p.set_defaults(func=lambda a: _train(a))
 
@@ -476,15 +518,20 @@ def _train(args) -> int:
     features = args.features.split(",") if args.features else None
     if data and len(data) > 1 and len(features or ()) != len(data):
         raise ValueError(f"--data names {len(data)} files: give as many --features folders, comma-separated.")
-    model, tok = _load_model(args.target, "float32", "cpu" if not _cuda() else "cuda")
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not _cuda())  # under accelerate launch: this process's device (and the process group)
+    model, tok = _load_model(args.target, "float32", str(state.device))
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
-                                  save_every=args.save_every, seed=args.seed, max_steps=args.max_steps)
+                                  save_every=args.save_every, seed=args.seed, max_steps=args.max_steps,
+                                  log_every=args.log_every)
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
                   data_path=data, init_from=args.init_from)
     train = next(m.trainers[args.method][1] for m in registry.methods() if args.method in m.trainers)
     _, metrics = train(model, tok, args.out, args, common)
-    print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
+    if state.is_main_process:
+        print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
 
 
@@ -523,6 +570,57 @@ def _convert(args) -> int:
                       dtype=dtype, **extra)
     print(f"converted {args.source} -> {args.out} ({sum(p.numel() for p in drafter.parameters()) / 1e6:.1f} M "
           "parameters; the target's embeddings are never saved)")
+    return 0
+
+
+def _export_source(record, text: str) -> str:
+    """The folder (or Hub id) of the drafter ``hf-specdec export`` was given: a target id with a shipped drafter,
+    a shipped drafter's name, else a path or Hub id as :func:`registry.drafter_source` reads it."""
+    if text in record.drafter.shipped:
+        folder = registry.shipped_drafter(record, text)
+        if folder is None:
+            raise FileNotFoundError(f"The {record.name} drafter shipped for {text} is missing from this install.")
+        return str(folder)
+    if not Path(text).expanduser().exists() and "/" not in text and registry.shipped_folder(text) is not None:
+        return str(registry.shipped_folder(text))
+    return registry.drafter_source(text)
+
+
+def _export(args) -> int:
+    """A user error (unknown method, a method without exporter, a drafter the layout cannot hold) is a ValueError:
+    :func:`main` prints it and raises :class:`CommandError`."""
+    import torch
+
+    record = registry.get(args.method)
+    exporters = [m.name for m in registry.methods() if m.drafter is not None and m.drafter.export is not None]
+    if record.drafter is None or record.drafter.export is None:
+        what = "has no drafter" if record.drafter is None else "has no exporter"
+        raise ValueError(f"{args.method} {what}: nothing to export. Methods whose drafters export: "
+                           f"{', '.join(exporters)}.")
+    export = record.drafter.export
+    extra = {}
+    if args.layout is not None:
+        if "layout" not in inspect.signature(export).parameters:
+            raise ValueError(f"--layout: {args.method} exports to one layout only.")
+        extra["layout"] = args.layout
+    source = _export_source(record, args.drafter)
+    done = export(source, args.out, verifier=args.verifier, speculative_tokens=args.speculative_tokens,
+                  dtype=getattr(torch, args.dtype) if args.dtype else None, **extra)
+    from safetensors import safe_open
+
+    print(f"exported {args.method} drafter {args.drafter} -> {done.folder}")
+    for f in done.files:
+        line = f"  {f.name} ({f.stat().st_size / 1e6:.2f} MB)"
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), framework="pt") as handle:
+                keys = sorted(handle.keys())
+            line += f": {len(keys)} tensors: " + ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
+        else:
+            kind = done.config.get("speculators_model_type")
+            line += (f": speculators {kind} config" if kind else
+                     f": {', '.join(done.config.get('architectures') or ['?'])} config")
+        print(line)
+    print(f"serve: {done.serve}")
     return 0
 
 

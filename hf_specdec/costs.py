@@ -85,6 +85,7 @@ class ForwardCostModel:
         self.clock = 0  # forwards recorded
         self._estimates: tuple[int, dict[int, float]] = (-1, {})  # (clock, seconds): read many times per step
         self._explored = 0  # clock of the last exploratory proposal
+        self.too_costly: int | None = None  # calibration stopped before this size (see calibration_sizes)
 
     def record(self, q: int, seconds: float) -> None:
         self.clock += 1
@@ -138,9 +139,13 @@ class ForwardCostModel:
         self._explored = self.clock
         return True
 
+    CALIBRATION_STOP = 3.0  # relative cost past which larger sizes are not timed (a large batch's steep curve)
+
     def calibration_sizes(self, max_nodes: int) -> list[int]:
-        """Sizes worth timing once before decoding (none once the curve has been measured up to ``max_nodes``)."""
+        """Sizes worth timing once before decoding: those not measured yet (none once the curve has been measured up
+        to ``max_nodes``, or up to a size that cost :attr:`CALIBRATION_STOP` steps: a larger one never pays)."""
         wanted = sorted({q for q in (1, 2, 4, 8, 16, 32) if q <= max_nodes} | {max_nodes})
+        wanted = [q for q in wanted if self.too_costly is None or q < self.too_costly]
         if all(q in self.times for q in wanted):
             return []
         return wanted
@@ -200,3 +205,24 @@ def best_draft_length(alpha: float, max_len: int, cost: ForwardCostModel, draft_
         total += term
         expected.append(total)
     return best_count(expected, cost, draft_cost, min_gain)
+
+
+def batch_cap(reaches, cost: ForwardCostModel, active=None, draft_cost: float = 0.0) -> int:
+    """The most drafts any row of a batch keeps: the rows share one verification forward, as wide as the widest
+    row, and its cost ``c_B(n + 1)`` (measured for this batch size) buys every row's accepted drafts together.
+
+    ``reaches[b]``: row ``b``'s drafts (already cut to what pays for the row alone), best first, as estimated
+    probabilities that each is accepted (a row's first ``n`` drafts expect ``1 + sum(reach[:n])`` tokens);
+    ``active``: the rows still decoding (default: all). Returns the ``n`` maximising the batch's expected tokens
+    per unit of time (:func:`best_count` over the mean of the active rows' expected tokens at the cap ``n``): 0
+    when no cap beats a plain step. With one active row it is that row's own length: the row's rule already
+    decided. A row that would gain little makes a wide tree too costly for the whole batch, which is what keeps
+    speculation from slowing a large batch down, where a forward's cost grows with its width.
+    """
+    rows = [list(map(float, r)) for r, a in zip(reaches, active if active is not None else [True] * len(reaches))
+            if a]
+    width = max((len(r) for r in rows), default=0)
+    if width == 0 or len(rows) == 1:
+        return width
+    expected = [1.0 + sum(sum(r[:n]) for r in rows) / len(rows) for n in range(1, width + 1)]
+    return best_count(expected, cost, draft_cost)

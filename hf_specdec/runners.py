@@ -164,9 +164,8 @@ class TargetSession:
             return
         past = state.layout.length
         roots = state.roots()
-        # the first one-token forward only warms up; two interleaved rounds, so that a moment of other work on the
-        # machine does not decide a size's cost (the cost model keeps the minimum)
-        for i, q in enumerate([1] + sizes + sizes):
+
+        def timed(q: int) -> float:
             tokens = roots[:, None].expand(-1, q)
             pos = state.root_positions[:, None] + torch.arange(q, device=state.device)
             causal = torch.ones(q, q, dtype=torch.bool, device=state.device).tril().expand(state.batch_size, q, q)
@@ -176,9 +175,24 @@ class TargetSession:
             self.forward(tokens, mask, pos, with_hidden=False)
             if state.device.type == "cuda":
                 torch.cuda.synchronize(state.device)
-            if i > 0:
-                state.cost_model.record(q, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
             cache_ops.crop(self.cache, past)
+            return seconds
+
+        # the first one-token forward only warms up; two rounds, so that a moment of other work on the machine does
+        # not decide a size's cost (the cost model keeps the minimum); no size past one that costs CALIBRATION_STOP
+        # steps is timed (a large batch: seconds each, and they never pay)
+        cost = state.cost_model
+        timed(1)
+        done = []
+        for q in sizes:
+            cost.record(q, timed(q))
+            done.append(q)
+            if q > 1 and cost.relative(q) > cost.CALIBRATION_STOP:
+                cost.too_costly = next((s for s in sizes if s > q), None)
+                break
+        for q in done:
+            cost.record(q, timed(q))
 
     def _hidden(self, out):
         return getattr(out, "hidden_states", None) if self.wants_hidden else None

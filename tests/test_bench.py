@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hf_specdec.bench import build_methods, markdown, run_bench
+from hf_specdec.bench import batch_markdown, batch_sweep, build_methods, markdown, run_bench
 from hf_specdec.bench.data import DATASETS, load
 from tiny import tiny_model, word_tokenizer
 
@@ -51,6 +51,26 @@ def test_bench_end_to_end(tmp_path):
     assert set(result["memory_check"]) == names
     pytest.importorskip("matplotlib")
     assert (tmp_path / "speedup.png").is_file() and (tmp_path / "forward_cost.png").is_file()
+
+
+def test_batch_sweep(tmp_path):
+    """The batched-throughput sweep: one run per batch size on the same prompts, tokens/s against plain batched
+    generate() at each size, every output compared with it."""
+    model = tiny_model("llama", vocab=96)
+    tok = _chat_tokenizer(40)
+    tok.padding_side = "left"
+    methods = build_methods(["plain_kernels", "prompt_lookup", "suffix"])
+    sweep = batch_sweep(model, tok, methods, ["copy"], [4, 1, 2], limit=2, max_new_tokens=6, out=str(tmp_path),
+                        progress=False)
+    assert sweep["batch_sizes"] == [1, 2, 4]
+    rows = {(r["method"], r["batch"]): r for r in sweep["summary"]}
+    assert set(rows) == {(m, b) for m in ("plain", "plain_kernels", "prompt_lookup", "suffix") for b in (1, 2, 4)}
+    assert all(r["mismatches"] == 0 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert all(rows[("plain", b)]["vs_plain"] == 1.0 and "vs_kernels" in rows[("suffix", b)] for b in (1, 2, 4))
+    table = batch_markdown(sweep)
+    assert "B=4 tok/s (× plain)" in table and "| suffix |" in table
+    assert json.loads((tmp_path / "batch.json").read_text())["batch_sizes"] == [1, 2, 4]
+    assert (tmp_path / "batch.md").is_file() and (tmp_path / "batch4" / "bench.json").is_file()
 
 
 def test_bench_eagle3_methods():

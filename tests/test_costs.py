@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from hf_specdec.costs import ForwardCostModel, RecentMinimum, best_draft_length
+from hf_specdec.costs import ForwardCostModel, RecentMinimum, batch_cap, best_draft_length
 from hf_specdec.proposers.base import BackOff
 
 TRUE = {1: 0.070, 2: 0.074, 4: 0.080, 8: 0.11}  # seconds of a q-token forward on a quiet machine
@@ -128,3 +128,18 @@ def test_back_off_needs_two_misses_and_spares_an_accepted_drafter():
     for seconds in (0.02, 0.2, 0.02, 0.3):
         noisy.judge(state, seconds, None, None)
     assert noisy.draft_cost == pytest.approx(0.02 / 0.07)
+
+
+def test_batch_cap_weighs_the_whole_batch():
+    """Rows of a batch share one forward as wide as the widest row: on a large batch's steep cost curve, one row's
+    long draft must not make the other rows pay for it."""
+    steep = ForwardCostModel("cpu")  # 16 rows: a forward's cost grows with its width
+    for q, s in {1: 0.20, 2: 0.23, 3: 0.30, 4: 0.35, 5: 0.43, 9: 0.65}.items():
+        steep.record(q, s)
+    one_good = [[0.9] * 8] + [[] for _ in range(15)]
+    assert batch_cap(one_good, steep) == 0  # 1 row gaining ~7 tokens does not pay 16 rows' wider forward
+    assert batch_cap(one_good[:1], steep) == 8  # alone, the row's own rule stands
+    everyone = [[0.9, 0.8, 0.7, 0.5]] * 16
+    assert batch_cap(everyone, steep) in (2, 3, 4)  # every row gains: the batch drafts
+    assert batch_cap([[0.9] * 8] * 2 + [[]] * 14, steep, active=[True, True] + [False] * 14) == 8  # finished rows
+    assert batch_cap([[], []], steep) == 0

@@ -238,7 +238,7 @@ def test_text_ngrams_are_accepted_on_a_copy():
 
 def test_adaptive_window_switches_off_when_it_does_not_pay():
     """With a cost curve where the window's nodes cost much more than its yield, the adaptive schedule stops
-    running it after the first fill (and tries it again later); the constant one always runs it."""
+    running it (and tries it again later), and does not start filling one; the constant one always runs it."""
     from hf_specdec.costs import ForwardCostModel
 
     class Steep(ForwardCostModel):
@@ -251,8 +251,16 @@ def test_adaptive_window_switches_off_when_it_does_not_pay():
     row.levels = [[5, 6, 5, 6], [6, 5, 6, 5]]  # full
     _, on = p._choose(state, row, [], True)
     assert not on and row.levels is None and row.pause == 1 and row.backoff == 2
-    row.levels = [[5, 6, 5, 6, 5]]  # filling: runs whatever it costs
+    row.levels = [[5, 6, 5, 6, 5]]  # filling, where a full window could never pay (a large batch): does not run
     _, on = p._choose(state, row, [], True)
+    assert not on and row.levels is None
+
+    class Flat(ForwardCostModel):
+        def relative(self, q):
+            return 1.0 if q <= 4 else 1.2
+
+    row.levels = [[5, 6, 5, 6, 5]]  # filling where a full window could pay: runs, whatever its own step yields
+    _, on = p._choose(SimpleNamespace(cost_model=Flat()), row, [], True)
     assert on
 
 

@@ -330,9 +330,12 @@ def _encode(tokenizer, texts, device):
 def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str], limit: int, max_new_tokens: int,
               batch_size: int = 1, drafter=None, out: str | None = None, memory_check: int = 0,
               progress: bool = True, config: dict | None = None, seed: int = 0,
-              background_load: str = "off") -> dict:
+              background_load: str = "off", curve_sizes: list[int] | None = None, warmup_tokens: int = 10**9) -> dict:
     """Run the baseline and ``methods`` on the first ``limit`` prompts of each of ``datasets``; return the result
     (schema at the top of this module) and write it to ``out`` when given.
+
+    ``curve_sizes``: the forward sizes of the cost curve (default 1..32); ``warmup_tokens``: tokens per warm-up call
+    (default: ``max_new_tokens``).
 
     ``background_load``: ``"off"`` (default), ``"on"`` (every timed row under a synthetic load keeping one core
     busy) or ``"both"`` (each prompt quiet and loaded in turn; the summary holds both, loaded keys with the suffix
@@ -396,12 +399,14 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     # ---- warm-up: every method once, short
     first = next(iter(prompts.values()))[:batch_size]
     enc0 = _encode(tokenizer, [p.text for p in first], device)
+    gen["max_new_tokens"] = min(max_new_tokens, warmup_tokens)
     ref0, *_ = one(None, enc0)
     for m in methods:
         one(m, enc0, ref0)
+    gen["max_new_tokens"] = max_new_tokens
 
     # ---- the cost of a forward over q new tokens, over a realistic cache (always without the background load)
-    sizes = list(range(1, 33))
+    sizes = list(curve_sizes or range(1, 33))
     ctx = enc0["input_ids"][:1]
     ctx = ctx.repeat(1, max(1, 256 // ctx.shape[1] + 1))[:, :256].repeat(batch_size, 1)
     curve = forward_cost_curve(model, ctx, sizes)
@@ -699,3 +704,84 @@ def write_csv(summary: list[dict], path) -> None:
         writer.writeheader()
         for row in summary:
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def batch_sweep(model, tokenizer, methods: list[BenchMethod], datasets: list[str], batch_sizes: list[int],
+                limit: int, max_new_tokens: int, out: str | None = None, progress: bool = True, **kwargs) -> dict:
+    """Batched throughput: :func:`run_bench` once per batch size, on the first ``max(limit, B)`` prompts of each
+    dataset for batch size ``B`` (the same prompts for every method), then tokens/s per method and batch size against plain batched ``generate()`` at that
+    size (:func:`batch_summary`, :func:`batch_markdown`). Each batch size's full result is written to
+    ``<out>/batch<B>/``; the sweep to ``<out>/batch.json`` and ``<out>/batch.md``.
+
+    Example::
+
+        methods = build_methods(["plain_kernels", "prompt_lookup", "eagle3"], eagle3=drafter)
+        sweep = batch_sweep(model, tok, methods, ["mtbench"], [1, 4, 16], limit=16, max_new_tokens=64)
+        print(batch_markdown(sweep))
+    """
+    per_batch = {}
+    for b in sorted(batch_sizes, reverse=True):  # the largest first: the longest runs, while the machine is fresh
+        sub = str(Path(out) / f"batch{b}") if out else None
+        per_batch[b] = run_bench(model, tokenizer, methods, datasets, max(limit, b), max_new_tokens, batch_size=b,
+                                 out=sub, progress=progress, curve_sizes=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32],
+                                 **kwargs)
+    per_batch = {b: per_batch[b] for b in sorted(per_batch)}
+    sweep = {"schema": SCHEMA, "batch_sizes": sorted(batch_sizes), "limit": limit, "max_new_tokens": max_new_tokens,
+             "datasets": list(datasets), "machine": next(iter(per_batch.values()))["machine"],
+             "summary": batch_summary(per_batch),
+             "cost_curves_ms": {b: r["cost_curve_ms"] for b, r in per_batch.items()}}
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "batch.json").write_text(json.dumps(sweep, indent=1, default=float))
+        (folder / "batch.md").write_text(batch_markdown(sweep) + "\n")
+    return sweep
+
+
+def batch_summary(per_batch: dict[int, dict]) -> list[dict]:
+    """One row per (method, batch size) over every dataset: ``tokens_per_s`` (new tokens of every row / seconds),
+    ``vs_plain`` (plain batched ``generate()``'s seconds over the method's on the same batches), ``vs_kernels``
+    (the same against ``plain_kernels``, when it ran), ``tau`` and ``mismatches``."""
+    rows = []
+    for b, result in per_batch.items():
+        runs = result["runs"]
+        methods = list(dict.fromkeys(r["method"] for r in runs))
+        seconds = {m: sum(r["seconds"] for r in runs if r["method"] == m) for m in methods}
+        for m in methods:
+            mine = [r for r in runs if r["method"] == m]
+            taus = [r["tau"] for r in mine if r["tau"]]
+            row = dict(method=m, batch=b, tokens_per_s=sum(r["new_tokens"] for r in mine) / seconds[m],
+                       vs_plain=seconds["plain"] / seconds[m], tau=statistics.mean(taus) if taus else None,
+                       mismatches=sum(not r["identical"] for r in mine))
+            if "plain_kernels" in seconds:
+                row["vs_kernels"] = seconds["plain_kernels"] / seconds[m]
+            rows.append(row)
+    return rows
+
+
+def batch_markdown(sweep: dict) -> str:
+    """The sweep as a table: per method, ``tok/s (x plain generate())`` at each batch size, then τ per batch size,
+    the lowest ratio of each method and the mismatches."""
+    sizes = sweep["batch_sizes"]
+    by = {(r["method"], r["batch"]): r for r in sweep["summary"]}
+    methods = list(dict.fromkeys(r["method"] for r in sweep["summary"]))
+    head = ["method"] + [f"B={b} tok/s (× plain)" for b in sizes] + ["lowest × plain", "τ by B", "mismatches"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        cells, ratios, taus, bad = [m], [], [], 0
+        for b in sizes:
+            r = by.get((m, b))
+            if r is None:
+                cells.append("–")
+                continue
+            ratios.append(r["vs_plain"])
+            taus.append("–" if r["tau"] is None else f"{r['tau']:.2f}")
+            bad += r["mismatches"]
+            cells.append(f"{r['tokens_per_s']:.1f} ({r['vs_plain']:.2f}x)")
+        cells += [f"{min(ratios):.2f}x" if ratios else "–", " / ".join(taus), str(bad)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append(f"max({sweep['limit']}, B) prompts per set ({', '.join(sweep['datasets'])}), {sweep['max_new_tokens']} "
+                 "new tokens each, greedy; × plain: plain batched generate()'s time over the method's on the same "
+                 "batches in the same run.")
+    return "\n".join(lines)

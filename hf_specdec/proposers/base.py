@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..costs import RecentMinimum
+from ..costs import RecentMinimum, batch_cap
 from ..tree import DraftTree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -54,9 +54,11 @@ class BackOff:
             self.update(paid=max(expected, self.realized or 0.0) / cost >= 1.0)
 
     def observe(self, tree, result) -> None:
-        """Record what a verification of this drafter's proposal committed (rows that had drafts)."""
-        drafted = (tree.valid.sum(1) > 1).tolist()
-        committed = [len(t) for t, d in zip(result.new_tokens, drafted) if d]
+        """Record what a verification of this drafter's proposal committed per row, over the rows that committed
+        (they shared the forward, drafts or not)."""
+        if not bool((tree.valid.sum(1) > 1).any()):
+            return
+        committed = [len(t) for t in result.new_tokens if len(t)]
         if committed:
             mean = sum(committed) / len(committed)
             self.realized = mean if self.realized is None else 0.7 * self.realized + 0.3 * mean
@@ -169,7 +171,14 @@ class RowDraft:
         return self.parents == list(range(len(self.tokens)))
 
 
-def tree_from_row_drafts(state, drafts: list[RowDraft | None]) -> DraftTree | None:
-    """The draft tree of per-row candidates (``None``: no drafts)."""
+def tree_from_row_drafts(state, drafts: list[RowDraft | None], batch_rule: bool = True) -> DraftTree | None:
+    """The draft tree of per-row candidates (``None``: no drafts). With several rows, ``batch_rule`` first cuts
+    every row to the common length that pays for the whole batch (:func:`~hf_specdec.costs.batch_cap`), in place
+    in ``drafts`` (what the proposer learns from afterwards)."""
+    if batch_rule and state.batch_size > 1 and state.cost_model is not None:
+        cap = batch_cap([d.reach if d is not None else [] for d in drafts], state.cost_model, state.active)
+        for b, d in enumerate(drafts):
+            if d is not None and len(d.tokens) > cap:
+                drafts[b] = RowDraft(d.tokens[:cap], d.parents[:cap], d.reach[:cap], d.key) if cap else None
     return DraftTree.from_rows(state.roots(), [d.tokens if d is not None else [] for d in drafts],
                                [d.parents if d is not None else [] for d in drafts])

@@ -18,8 +18,8 @@ import time
 import torch
 
 from .. import cache as cache_ops
-from ..conversions.dflash import LAYOUTS, convert_dflash
-from ..costs import best_count
+from ..conversions.dflash import LAYOUTS, convert_dflash, export_dflash
+from ..costs import batch_cap, best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -111,7 +111,7 @@ class DFlashProposer(FeatureDrafterProposer):
         logits = self._block_logits(state, hidden[:, 1:])  # [B, width <= size-1, V]
         width = logits.shape[1]
         process = state.process_fn()
-        drafts, probs_all, kept, predicted, best = [], [], [], [], None
+        drafts, probs_all, kept, predicted, best, confidences = [], [], [], [], None, []
         for b in range(bsz):
             budget = min(state.max_drafts[b], width)
             row_logits = logits[b]
@@ -138,6 +138,18 @@ class DFlashProposer(FeatureDrafterProposer):
             drafts.append(row_tokens)
             probs_all.append(row_probs)
             kept.append(k)
+            confidences.append(confidence[:k])
+        if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
+            cal = min(self.calibration, 1.5)
+            reaches = [torch.cumprod(c.clamp(max=1.0) * cal, 0).clamp(max=1.0).tolist() for c in confidences]
+            cap = batch_cap(reaches, state.cost_model, state.active)
+            kept = [min(k, cap) for k in kept]
+            predicted = [float(torch.cumprod(c[:k], 0).sum()) if k else 0.0 for c, k in zip(confidences, kept)]
+            # what the batch expects of this proposal (the back-off's judgement): the active rows' mean
+            active = [b for b in range(bsz) if state.active[b]] or list(range(bsz))
+            expected = 1.0 + sum(sum(reaches[b][:kept[b]]) for b in active) / len(active)
+            verify = state.cost_model.relative(max(kept) + 1)
+            best = (expected, verify) if any(kept) else None
         seconds = time.perf_counter() - t0 if end - start <= self.BACKLOG else None  # a backlog: not typical
         if not any(kept):
             self._predicted = None
@@ -180,6 +192,7 @@ METHOD = Method(
     ),
     drafter=DrafterSpec.published(
         DFlashDrafter, convert_dflash, LAYOUTS,
+        export=export_dflash,
         doc="a DFlash drafter",
         shipped={SMOLLM2: "smollm2-135m-instruct-dflash"},
         train=_train,

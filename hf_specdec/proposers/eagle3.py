@@ -21,7 +21,8 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
-from ..conversions.eagle3 import LAYOUTS, convert_eagle3
+from ..conversions.eagle3 import LAYOUTS, convert_eagle3, export_eagle3
+from ..costs import batch_cap
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.eagle3 import Eagle3Drafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -254,12 +255,19 @@ class Eagle3Proposer(FeatureDrafterProposer):
         keep_n = min(self.total_tokens - 1, score.shape[1])
         rows_tokens, rows_parents = [], []
         self._predicted = []
+        picked = []
         for b in range(bsz):
             top = score[b].topk(keep_n)
             finite = torch.isfinite(top.values)
             order, probs = top.indices[finite], top.values[finite].exp()
             n = self._pays(state, probs)
-            order, probs = order[:n], probs[:n]
+            picked.append((order[:n], probs[:n]))
+        cap = keep_n
+        if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
+            cap = batch_cap([(p * self.calibration).tolist() for _, p in picked], state.cost_model, state.active)
+        for b, (order, probs) in enumerate(picked):
+            order, probs = order[:cap], probs[:cap]
+            n = len(order)
             self._predicted.append(float(probs.sum()))
             self._note_worth(state, float(probs.sum()), n)
             chosen = set(order.tolist())
@@ -323,6 +331,7 @@ METHOD = Method(
     ),
     drafter=DrafterSpec.published(
         Eagle3Drafter, convert_eagle3, LAYOUTS,
+        export=export_eagle3,
         doc="an EAGLE-3 drafter",
         shipped={SMOLLM2: "smollm2-135m-instruct-eagle3"},
         train=_train,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..costs import best_count
+from ..costs import batch_cap, best_count
 from ..tree import build_attention_mask
 from .base import BackOff, Proposer
 
@@ -118,6 +118,10 @@ class FeatureDrafterProposer(Proposer):
         the calibration and the back-off."""
         reach = reach.cpu()
         counts = [min(c, self._pays(state, reach[b, :c])) if c else 0 for b, c in enumerate(counts)]
+        if self.adaptive and state.batch_size > 1 and state.cost_model is not None:  # the batch shares the forward
+            cap = batch_cap([(reach[b, :c] * self.calibration).tolist() for b, c in enumerate(counts)],
+                            state.cost_model, state.active)
+            counts = [min(c, cap) for c in counts]
         self._predicted = [float(reach[b, :c].sum()) for b, c in enumerate(counts)]
         for b, c in enumerate(counts):
             if c:
@@ -136,13 +140,17 @@ class FeatureDrafterProposer(Proposer):
         return full.to(state.device)
 
     def _note_worth(self, state, reach: float, n: int) -> None:
-        """Keep in ``_worth`` the best row's ``(expected tokens, verification cost)`` for :meth:`BackOff.judge`:
-        ``n`` drafts whose (uncalibrated) probabilities of lying on the accepted path sum to ``reach``."""
+        """Add one row's drafts to ``_worth``, the proposal's ``(expected tokens, verification cost)`` for
+        :meth:`BackOff.judge` (``None`` starts a proposal): ``n`` drafts whose (uncalibrated) probabilities of lying on
+        the accepted path sum to ``reach``. The rows share one verification, as wide as the widest row, so the
+        expected tokens are the mean over the active rows (a row without drafts commits one)."""
         if state.cost_model is None:
             return
-        row = (1.0 + reach * self.calibration, state.cost_model.relative(n + 1))
-        if self._worth is None or row[0] / row[1] > self._worth[0] / self._worth[1]:
-            self._worth = row
+        total, widest = (0.0, 0) if self._worth is None else self._worth_sum
+        total, widest = total + reach * self.calibration, max(widest, n)
+        self._worth_sum = (total, widest)
+        rows = max(1, sum(1 for a in state.active if a))
+        self._worth = (1.0 + total / rows, state.cost_model.relative(widest + 1))
 
     def _update_calibration(self, result) -> None:
         if self._predicted is None:

@@ -316,6 +316,9 @@ class LookaheadProposer(Proposer):
         cost = state.cost_model
         w_nodes = sum(len(level) for level in row.levels) if window else 0
         yield_ = (row.credit + 0.3 * 2.0) / (row.runs + 2.0)  # prior: 0.3 tokens per step, weight of two steps
+        if filling:  # a window fills only where a full one could pay (not on a large batch's steep cost curve)
+            full_nodes = self.window_size * (self.ngram_size - 1)
+            filling = 1.0 + yield_ >= cost.relative(1 + full_nodes)
         best = None
         expected = 1.0
         for n in range(len(order) + 1):

@@ -28,7 +28,8 @@ import time
 
 import torch
 
-from ..conversions.medusa import LAYOUTS, convert_medusa
+from ..conversions.medusa import LAYOUTS, convert_medusa, export_medusa
+from ..costs import batch_cap
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -168,15 +169,23 @@ class MedusaProposer(FeatureDrafterProposer):
         reach = cum.exp()  # [B, P]
         rows_tokens, rows_parents, self._predicted, self._worth = [], [], [], None
         tokens = top_tokens.tolist()  # [B][D][k]
+        ordered = []
         for b in range(bsz):
             ok = (self._depth <= min(depth, state.max_drafts[b])) & usable
             nodes = ok.nonzero()[:, 0]
             if self.adaptive and len(nodes):
                 order = nodes[torch.argsort(reach[b, nodes], descending=True, stable=True)]
-                n = self._pays(state, reach[b, order])
-                nodes = order[:n].sort().values  # pool order: parents first
-                if n:
-                    self._note_worth(state, float(reach[b, nodes].sum()), n)
+                nodes = order[:self._pays(state, reach[b, order])]  # best first
+            ordered.append(nodes)
+        cap = None
+        if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
+            cap = batch_cap([(reach[b, n] * self.calibration).tolist() for b, n in enumerate(ordered)],
+                            state.cost_model, state.active)
+        for b, nodes in enumerate(ordered):
+            if self.adaptive and len(nodes):
+                nodes = nodes[:cap].sort().values  # pool order: parents first
+                if len(nodes):
+                    self._note_worth(state, float(reach[b, nodes].sum()), len(nodes))
             self._predicted.append(float(reach[b, nodes].sum()) if len(nodes) else 0.0)
             paths = [self.choices[p] for p in nodes.tolist()]
             slot = {path: i + 1 for i, path in enumerate(paths)}  # the root is slot 0
@@ -240,6 +249,7 @@ METHOD = Method(
     ),
     drafter=DrafterSpec.published(
         MedusaHeads, convert_medusa, LAYOUTS,
+        export=export_medusa,
         doc="Medusa heads",
         shipped={SMOLLM2: "smollm2-135m-instruct-medusa"},
         train=_train,
