@@ -142,13 +142,10 @@ class ForwardCostModel:
     CALIBRATION_STOP = 3.0  # relative cost past which larger sizes are not timed (a large batch's steep curve)
 
     def calibration_sizes(self, max_nodes: int) -> list[int]:
-        """Sizes worth timing once before decoding: those not measured yet (none once the curve has been measured up
-        to ``max_nodes``, or up to a size that cost :attr:`CALIBRATION_STOP` steps: a larger one never pays)."""
+        """Sizes worth timing once before decoding: those up to ``max_nodes`` not measured yet, none past a size that
+        cost :attr:`CALIBRATION_STOP` steps (a larger one never pays)."""
         wanted = sorted({q for q in (1, 2, 4, 8, 16, 32) if q <= max_nodes} | {max_nodes})
-        wanted = [q for q in wanted if self.too_costly is None or q < self.too_costly]
-        if all(q in self.times for q in wanted):
-            return []
-        return wanted
+        return [q for q in wanted if q not in self.times and (self.too_costly is None or q < self.too_costly)]
 
 
 class AcceptanceEstimator:

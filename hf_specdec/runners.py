@@ -189,7 +189,7 @@ class TargetSession:
             cost.record(q, timed(q))
             done.append(q)
             if q > 1 and cost.relative(q) > cost.CALIBRATION_STOP:
-                cost.too_costly = next((s for s in sizes if s > q), None)
+                cost.too_costly = min(q + 1, cost.too_costly or q + 1)  # never raised: one call's stop holds for all
                 break
         for q in done:
             cost.record(q, timed(q))
