@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 
 # Relative cost of a q-token forward over a ~256-token cache vs q=1, used until the loop has measured its own.
 # SmolLM2-135M fp32 on the 2-core CPU with the CPU kernel runner (hf_specdec.kernels), and with the model's own kernels
@@ -86,6 +87,7 @@ class ForwardCostModel:
         self._estimates: tuple[int, dict[int, float]] = (-1, {})  # (clock, seconds): read many times per step
         self._explored = 0  # clock of the last exploratory proposal
         self.too_costly: int | None = None  # calibration stopped before this size (see calibration_sizes)
+        self.gate = SpeculationGate()  # whether speculating pays at all at this batch size
 
     def record(self, q: int, seconds: float) -> None:
         self.clock += 1
@@ -223,3 +225,54 @@ def batch_cap(reaches, cost: ForwardCostModel, active=None, draft_cost: float = 
         return width
     expected = [1.0 + sum(sum(r[:n]) for r in rows) / len(rows) for n in range(1, width + 1)]
     return best_count(expected, cost, draft_cost)
+
+
+class SpeculationGate:
+    """Whether speculating pays at all, judged by what it realised: the loop's last resort for a batch size where no
+    draft length is cheap enough (a large batch on a CPU, where a forward's cost grows with its width and a drafter's
+    forward costs a sizeable part of a step).
+
+    After each step that asked the proposer for drafts, the loop reports the tokens a row committed on average, the
+    verification's cost ``c(q)`` (measured, in one-token steps: robust to a busy machine) and the proposal's time in
+    one-token steps. The *efficiency* of the last :attr:`WINDOW` such steps is their tokens over their costs (plain
+    decoding: 1). Below :attr:`THRESHOLD` the gate closes: the next ``pause`` steps are plain, with no proposal at
+    all, ``pause`` doubling from :attr:`FIRST_PAUSE` to :attr:`MAX_PAUSE` each time a retry does not pay, back to
+    :attr:`FIRST_PAUSE` when one does. One gate per target runner and batch size, kept across calls
+    (``ForwardCostModel.gate``): a batch size where speculation lost starts the next call plain, and retries now and
+    then.
+    """
+
+    WINDOW = 8
+    THRESHOLD = 1.0
+    FIRST_PAUSE = 8
+    MAX_PAUSE = 256
+
+    def __init__(self):
+        self.steps: collections.deque = collections.deque(maxlen=self.WINDOW)  # (tokens per row, cost in steps)
+        self.closed_for = 0
+        self.pause = self.FIRST_PAUSE
+
+    def open(self) -> bool:
+        """Whether this step may speculate (counts a closed step down)."""
+        if self.closed_for > 0:
+            self.closed_for -= 1
+            return False
+        return True
+
+    def efficiency(self) -> float | None:
+        if len(self.steps) < self.WINDOW:
+            return None
+        return sum(t for t, _ in self.steps) / sum(c for _, c in self.steps)
+
+    def record(self, tokens_per_row: float, verify_cost: float, draft_cost: float) -> None:
+        """One step that asked for drafts: ``tokens_per_row`` committed, a verification of ``verify_cost`` and a
+        proposal of ``draft_cost`` one-token steps."""
+        self.steps.append((tokens_per_row, verify_cost + draft_cost))
+        value = self.efficiency()
+        if value is None:
+            return
+        if value < self.THRESHOLD:
+            self.closed_for, self.pause = self.pause, min(2 * self.pause, self.MAX_PAUSE)
+            self.steps.clear()  # a retry is judged on its own steps
+        else:
+            self.pause = self.FIRST_PAUSE

@@ -238,12 +238,16 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         # ---- propose
         state.max_drafts = rows.budgets()
         t0 = time.perf_counter()
+        # a batch whose speculation did not pay decodes plainly for a while (costs.SpeculationGate); a constant
+        # schedule (the user's choice) and a single row (the proposers' own rules and back-off) are not gated
+        gate = state.cost_model.gate if state.batch_size > 1 and getattr(proposer, "adaptive", True) else None
         with target.drafting():  # now and then a plain step re-measures the unit of the forward costs (costs.py)
-            drafting = any(state.max_drafts) and not state.cost_model.probe_due()
+            drafting = any(state.max_drafts) and not state.cost_model.probe_due() and (gate is None or gate.open())
             tree = proposer.propose(state) if drafting else None
         if tree is None:
             tree = DraftTree.chain(state.roots())
-        stats.draft_seconds += time.perf_counter() - t0
+        draft_seconds = time.perf_counter() - t0
+        stats.draft_seconds += draft_seconds
         if target.static and state.layout.length + tree.num_nodes > target.kv_width:
             raise RuntimeError("The static cache is too small for this draft tree.")  # pragma: no cover
 
@@ -260,6 +264,12 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         stats.target_forward_passes += 1
         if tree.resume is None:  # a resumed forward (LayerSkip) is cheaper than the full one the model measures
             state.cost_model.record(tree.num_nodes, elapsed)
+        unit = state.cost_model.step_seconds()
+        if gate is not None and drafting and unit:  # what asking for drafts realised, for the speculation gate
+            active = [b for b in range(state.batch_size) if state.active[b]]
+            tokens = sum(len(result.new_tokens[b]) for b in active) / max(len(active), 1)
+            verify = state.cost_model.relative(tree.num_nodes) if tree.resume is None else elapsed / unit
+            gate.record(tokens, verify, draft_seconds / unit)
 
         # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
         _keep_accepted(state, tree, result, past)

@@ -2,6 +2,8 @@
 
 import random
 
+import torch
+
 import pytest
 
 from hf_specdec.costs import ForwardCostModel, RecentMinimum, batch_cap, best_draft_length
@@ -143,3 +145,45 @@ def test_batch_cap_weighs_the_whole_batch():
     assert batch_cap(everyone, steep) in (2, 3, 4)  # every row gains: the batch drafts
     assert batch_cap([[0.9] * 8] * 2 + [[]] * 14, steep, active=[True, True] + [False] * 14) == 8  # finished rows
     assert batch_cap([[], []], steep) == 0
+
+
+@pytest.mark.gated
+def test_speculation_gate_closes_backs_off_and_reopens():
+    from hf_specdec.costs import SpeculationGate
+
+    gate = SpeculationGate()
+    for _ in range(gate.WINDOW):  # drafts that commit 1.1 tokens for 1.3 steps: a loss
+        assert gate.open()
+        gate.record(1.1, 1.2, 0.1)
+    closed = [gate.open() for _ in range(gate.FIRST_PAUSE)]
+    assert not any(closed) and gate.open() and gate.pause == 2 * gate.FIRST_PAUSE
+    for _ in range(gate.WINDOW):  # the retry loses again: a longer pause
+        gate.record(1.0, 1.1, 0.0)
+    assert sum(not gate.open() for _ in range(3 * gate.FIRST_PAUSE)) == 2 * gate.FIRST_PAUSE
+    for _ in range(gate.WINDOW):  # now it pays: open, and the pause is back to the first one
+        gate.record(2.0, 1.2, 0.2)
+    assert gate.open() and gate.pause == gate.FIRST_PAUSE
+
+
+@pytest.mark.gated
+def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch):
+    """A random drafter on a batch: the gate turns speculation off after a window of steps, for later calls too,
+    and the output is plain greedy decoding's."""
+    import hf_specdec
+    from hf_specdec.runners import runner_for
+    from tiny import prompts, tiny_model
+
+    monkeypatch.setattr(ForwardCostModel, "relative", lambda self, q: 1.0 + 0.1 * (q - 1))  # a forward costs
+
+    m = tiny_model("llama", layers=2)
+    ids, mask = prompts(3, length=10, seed=1)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    ref = m.generate(**kw)
+    method = hf_specdec.decoding_method("assisted")
+    out = m.generate(**kw, custom_generate=method, drafter=tiny_model("llama", seed=5), return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref)
+    again = m.generate(**kw, custom_generate=method, drafter=tiny_model("llama", seed=5), return_dict_in_generate=True)
+    assert torch.equal(again.sequences, ref)
+    gate = runner_for(m).cost_model(3).gate
+    assert gate.pause > gate.FIRST_PAUSE  # closed at least once
+    assert again.speculative_stats["proposed_drafts"] < out.speculative_stats["proposed_drafts"]
