@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 
 # Relative cost of a q-token forward over a ~256-token cache vs q=1, used until the loop has measured its own.
 # SmolLM2-135M fp32 on the 2-core CPU with the CPU kernel runner (hf_specdec.kernels), and with the model's own kernels
