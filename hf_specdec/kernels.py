@@ -16,9 +16,8 @@ for every target on the CPU (``HF_SPECDEC_VERIFY_KERNELS=0`` or ``runner_for(mod
 because there it is what makes a 2-4-token verification cheaper than the model's own one-token step (the forward-cost
 curves in benchmarks/RESULTS.md). It keeps its timing cache on the runner, one per model, and installs
 :class:`VerifyKernels` for each call: the kernels run for the forwards the session marks as verification (``q >= 2``)
-and for everything inside a proposal; the prefill and a single row's one-token steps stay on the model's own code
-path, and a batch's one-token steps take only the faster linear product (as ``plain_kernels`` does). A drafter's
-linear layers (an EAGLE-3 / DFlash drafter, a draft model) take the faster
+and for everything inside a proposal; the prefill and one-token steps that plain ``generate()`` also runs stay on the
+model's own code path. A drafter's linear layers (an EAGLE-3 / DFlash drafter, a draft model) take the faster
 product in all their forwards, one-row ones padded to two. Where ``(W @ x.T).T`` over 2 rows beats the one-row path
 itself (it does on this project's CPU), plain decoding could gain from padding its row to two as well:
 :func:`padded_plain_decoding` does exactly that for plain ``generate()``, and the benchmark runs it as the method
@@ -229,18 +228,9 @@ class VerifyKernels:
 
     @contextlib.contextmanager
     def verifying(self, tokens_per_row: int):
-        """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row; a one-token
-        step of a batch (2 rows or more) takes the faster linear product only, as ``plain_kernels`` does, so that a
-        batch the loop does not speculate on decodes as fast as plain decoding with the same kernels."""
-        if not self.enabled or not (self.linears or self.configs):
+        """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row."""
+        if not self.enabled or tokens_per_row < 2 or not (self.linears or self.configs):
             yield
-            return
-        if tokens_per_row < 2:  # rows < 2 (one row) keep F.linear: see _linear_forward
-            self.active = True
-            try:
-                yield
-            finally:
-                self.active = False
             return
         self.active = True
         # switched per forward: transformers' set_attn_implementation walks every module, too slow for every step
