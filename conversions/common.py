@@ -194,6 +194,15 @@ def check_shapes(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], w
         raise ConversionError(f"{what}: tensor shapes do not match the config: " + "; ".join(wrong))
 
 
+def check_fits(config, target_config, source) -> None:
+    """``config`` (a drafter config with ``check_target``) must fit ``target_config`` (``None``: not known)."""
+    if target_config is not None:
+        try:
+            config.check_target(target_config)
+        except ValueError as err:
+            raise ConversionError(f"{source}: {err}") from err
+
+
 def load_target_config(target: str | os.PathLike | None, revision: str | None = None):
     """The target's config (a path or Hub id; only config.json is fetched), or ``None``."""
     if target is None:

@@ -47,6 +47,7 @@ import torch
 from .common import (
     ConversionError,
     Exported,
+    check_fits,
     check_shapes,
     check_weight_files,
     drafter_to_export,
@@ -343,12 +344,7 @@ def convert_medusa(source: str | os.PathLike, out: str | os.PathLike | None = No
         config = MedusaConfig(**fields)
     except ValueError as err:
         raise ConversionError(f"{what}: {err}") from err
-    target_cfg = load_target_config(target)
-    if target_cfg is not None:
-        try:
-            config.check_target(target_cfg)
-        except ValueError as err:
-            raise ConversionError(f"{source}: {err}") from err
+    check_fits(config, load_target_config(target), source)
 
     weight_dtype = dtype or state["lm_heads.0.weight"].dtype
     state = {k: (v.to(weight_dtype) if v.is_floating_point() else v) for k, v in state.items()}

@@ -73,6 +73,7 @@ from hf_specdec.modeling.mtp import LAYOUTS as _MODEL_LAYOUTS
 from .common import (
     ConversionError,
     Exported,
+    check_fits,
     check_weight_file,
     drafter_to_export,
     load_target_config,
@@ -404,16 +405,6 @@ def _load_state(module, state: dict[str, torch.Tensor], names: dict[str, str], w
                               + "; ".join(problems) + ".")
 
 
-def _check_fit(config, target, source) -> None:
-    """``config`` must fit ``target`` (when given)."""
-    target_cfg = _target_config(target)
-    if target_cfg is not None:
-        try:
-            config.check_target(target_cfg)
-        except ValueError as err:
-            raise ConversionError(f"{source}: {err}") from err
-
-
 def _target_config(target):
     if target is None:
         return None
@@ -497,7 +488,7 @@ def convert_mtp(source: str | os.PathLike, out: str | os.PathLike | None = None,
                            base_model_name_or_path=str(source))
     except ValueError as err:
         raise ConversionError(f"{what}: {err}") from err
-    _check_fit(config, target, source)
+    check_fits(config, _target_config(target), source)
 
     module = _build(config, state, names, weight_dtype, what)
     if out is not None:
@@ -575,7 +566,7 @@ def _convert_speculators(source, revision, cfg: dict, target, dtype, out):
                            base_model_name_or_path=verifier or str(source))
     except ValueError as err:
         raise ConversionError(f"{what}: {err}") from err
-    _check_fit(config, target, source)
+    check_fits(config, _target_config(target), source)
     folder = resolve_source(source, revision, [CONFIG, SINGLE, INDEX, "model-*.safetensors"])
     tensors = load_weights(folder)
     with torch.device("meta"):

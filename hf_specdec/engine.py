@@ -264,8 +264,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         stats.target_forward_passes += 1
         if tree.resume is None:  # a resumed forward (LayerSkip) is cheaper than the full one the model measures
             state.cost_model.record(tree.num_nodes, elapsed)
-        unit = state.cost_model.step_seconds()
-        if gate is not None and drafting and unit:  # what asking for drafts realised, for the speculation gate
+        unit = state.cost_model.step_seconds() if gate is not None and drafting else None
+        if unit:  # what asking for drafts realised, for the speculation gate (batches only)
             active = [b for b in range(state.batch_size) if state.active[b]]
             tokens = sum(len(result.new_tokens[b]) for b in active) / max(len(active), 1)
             verify = state.cost_model.relative(tree.num_nodes) if tree.resume is None else elapsed / unit
