@@ -199,7 +199,7 @@ def _bench(args) -> int:
                   background_load=args.background_load)
     if len(args.batch_size) > 1:
         sweep = batch_sweep(model, tok, methods, args.datasets, args.batch_size, args.limit, args.max_new_tokens,
-                            out=args.out, **common)
+                            out=args.out, rounds=args.rounds, **common)
         print(batch_markdown(sweep))
         print(f"\nwritten to {args.out}/ (batch.json, batch.md; one folder per batch size)")
         return 1 if any(r["mismatches"] for r in sweep["summary"]) else 0
@@ -316,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=_batch_sizes, default=[1], metavar="B[,B...]",
                    help="prompts per generate() call; several (1,2,4,8,16): one run per size on the same prompts and "
                         "a batched-throughput table, batch.md (tokens/s of every method and plain batched generate())")
+    p.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
+                   help="with several batch sizes: at least N batches per size (max(limit, N * B) prompts), each "
+                        "timing plain generate() and every method side by side; batch.md adds the median of the "
+                        "per-batch ratios")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (Accelerate places the model)")
     p.add_argument("--out", default="bench_out", metavar="FOLDER",

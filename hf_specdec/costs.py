@@ -86,7 +86,13 @@ class ForwardCostModel:
         self._estimates: tuple[int, dict[int, float]] = (-1, {})  # (clock, seconds): read many times per step
         self._explored = 0  # clock of the last exploratory proposal
         self.too_costly: int | None = None  # calibration stopped before this size (see calibration_sizes)
-        self.gate = SpeculationGate()  # whether speculating pays at all at this batch size
+        self.gates: dict[str, SpeculationGate] = {}  # per method: whether speculating pays at this batch size
+
+    def gate_for(self, method: str) -> "SpeculationGate":
+        """The :class:`SpeculationGate` of ``method`` at this batch size (created on first use)."""
+        if method not in self.gates:
+            self.gates[method] = SpeculationGate()
+        return self.gates[method]
 
     def record(self, q: int, seconds: float) -> None:
         self.clock += 1
@@ -233,23 +239,37 @@ class SpeculationGate:
 
     After each step that asked the proposer for drafts, the loop reports the tokens a row committed on average, the
     verification's cost ``c(q)`` (measured, in one-token steps: robust to a busy machine) and the proposal's time in
-    one-token steps. The *efficiency* of the last :attr:`WINDOW` such steps is their tokens over their costs (plain
-    decoding: 1). Below :attr:`THRESHOLD` the gate closes: the next ``pause`` steps are plain, with no proposal at
-    all, ``pause`` doubling from :attr:`FIRST_PAUSE` to :attr:`MAX_PAUSE` each time a retry does not pay, back to
-    :attr:`FIRST_PAUSE` when one does. One gate per target runner and batch size, kept across calls
-    (``ForwardCostModel.gate``): a batch size where speculation lost starts the next call plain, and retries now and
-    then.
+    one-token steps. The *efficiency* of the recent such steps is their tokens over their costs (plain decoding: 1).
+    A first judgement reads :attr:`WINDOW` steps; a retry after a pause reads only :attr:`RETRY_WINDOW`, since it only
+    asks whether anything changed. Below :attr:`THRESHOLD` the gate closes: the next ``pause`` steps are plain, with
+    no proposal at all. The pause is long enough that retrying at the measured loss costs at most
+    :attr:`RETRY_SHARE` of the steps (a drafter that costs as much as a step is retried rarely, one that nearly pays
+    often), at least :attr:`FIRST_PAUSE`, at most :attr:`MAX_PAUSE`, and at least double the last one while retries
+    keep losing; a retry that pays opens the gate and resets the pause.
+
+    One gate per target runner, batch size and method (:meth:`ForwardCostModel.gate_for`), kept across calls: a
+    method that lost at a batch size starts its next call at that size plain, and retries now and then.
+
+    Example::
+
+        gate = SpeculationGate()
+        if gate.open():
+            ...  # propose, verify, then
+            gate.record(tokens_per_row=1.1, verify_cost=1.2, draft_cost=0.4)  # 1.1 tokens for 1.6 steps: a loss
     """
 
-    WINDOW = 8
+    WINDOW = 6
+    RETRY_WINDOW = 2
     THRESHOLD = 1.0
     FIRST_PAUSE = 8
     MAX_PAUSE = 256
+    RETRY_SHARE = 0.02
 
     def __init__(self):
         self.steps: collections.deque = collections.deque(maxlen=self.WINDOW)  # (tokens per row, cost in steps)
         self.closed_for = 0
-        self.pause = self.FIRST_PAUSE
+        self.pause = 0  # the last pause (0: none yet, or the last retry paid)
+        self.retrying = False
 
     def open(self) -> bool:
         """Whether this step may speculate (counts a closed step down)."""
@@ -259,7 +279,8 @@ class SpeculationGate:
         return True
 
     def efficiency(self) -> float | None:
-        if len(self.steps) < self.WINDOW:
+        """Tokens per step-cost of the steps read so far, once there are enough of them to judge."""
+        if len(self.steps) < (self.RETRY_WINDOW if self.retrying else self.WINDOW):
             return None
         return sum(t for t, _ in self.steps) / sum(c for _, c in self.steps)
 
@@ -271,7 +292,11 @@ class SpeculationGate:
         if value is None:
             return
         if value < self.THRESHOLD:
-            self.closed_for, self.pause = self.pause, min(2 * self.pause, self.MAX_PAUSE)
+            # a retry of RETRY_WINDOW steps at this efficiency loses RETRY_WINDOW * (1 / value - 1) steps
+            loss = self.RETRY_WINDOW * (1.0 / max(value, 1e-3) - 1.0)
+            pause = max(self.FIRST_PAUSE, math.ceil(loss / self.RETRY_SHARE), 2 * self.pause)
+            self.closed_for = self.pause = min(pause, self.MAX_PAUSE)
+            self.retrying = True
             self.steps.clear()  # a retry is judged on its own steps
         else:
-            self.pause = self.FIRST_PAUSE
+            self.pause, self.retrying = 0, False

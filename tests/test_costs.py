@@ -152,17 +152,44 @@ def test_speculation_gate_closes_backs_off_and_reopens():
     from hf_specdec.costs import SpeculationGate
 
     gate = SpeculationGate()
-    for _ in range(gate.WINDOW):  # drafts that commit 1.1 tokens for 1.3 steps: a loss
+    for _ in range(gate.WINDOW):  # drafts that commit 1.1 tokens for 1.3 steps: a loss of 15 %
         assert gate.open()
         gate.record(1.1, 1.2, 0.1)
-    closed = [gate.open() for _ in range(gate.FIRST_PAUSE)]
-    assert not any(closed) and gate.open() and gate.pause == 2 * gate.FIRST_PAUSE
-    for _ in range(gate.WINDOW):  # the retry loses again: a longer pause
+    first = gate.pause  # long enough that a 2-step retry at that loss costs <= 2 % of the steps
+    assert first >= gate.FIRST_PAUSE and gate.RETRY_WINDOW * (1.3 / 1.1 - 1) / first <= gate.RETRY_SHARE + 1e-9
+    closed = [gate.open() for _ in range(first)]
+    assert not any(closed) and gate.open()
+    for _ in range(gate.RETRY_WINDOW):  # the retry (judged on its own two steps) loses again: a longer pause
         gate.record(1.0, 1.1, 0.0)
-    assert sum(not gate.open() for _ in range(3 * gate.FIRST_PAUSE)) == 2 * gate.FIRST_PAUSE
-    for _ in range(gate.WINDOW):  # now it pays: open, and the pause is back to the first one
+    assert gate.pause >= 2 * first
+    assert sum(not gate.open() for _ in range(3 * gate.pause)) == gate.pause
+    for _ in range(gate.RETRY_WINDOW):  # now it pays: open, and the pause is reset
         gate.record(2.0, 1.2, 0.2)
-    assert gate.open() and gate.pause == gate.FIRST_PAUSE
+    assert gate.open() and gate.pause == 0 and not gate.retrying
+
+
+@pytest.mark.gated
+def test_speculation_gate_pause_follows_the_loss():
+    """A drafter that costs as much as a step is retried far less often than one that nearly pays; the pause grows
+    up to MAX_PAUSE."""
+    from hf_specdec.costs import SpeculationGate
+
+    near, costly = SpeculationGate(), SpeculationGate()
+    for _ in range(SpeculationGate.WINDOW):
+        near.record(1.15, 1.2, 0.0)  # 4 % short
+        costly.record(1.2, 1.2, 1.1)  # half: a DFlash block at a large batch on a CPU
+    assert near.pause == near.FIRST_PAUSE and costly.pause >= 8 * near.pause
+    for _ in range(3):  # retries that keep losing
+        for _ in range(costly.pause):
+            costly.open()
+        for _ in range(costly.RETRY_WINDOW):
+            costly.record(1.2, 1.2, 1.1)
+    assert costly.pause == costly.MAX_PAUSE
+
+
+def test_gates_are_per_method(monkeypatch):
+    model = ForwardCostModel("cpu")
+    assert model.gate_for("eagle3") is model.gate_for("eagle3") is not model.gate_for("prompt_lookup")
 
 
 @pytest.mark.gated
@@ -184,6 +211,6 @@ def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch):
     assert torch.equal(out.sequences, ref)
     again = m.generate(**kw, custom_generate=method, drafter=tiny_model("llama", seed=5), return_dict_in_generate=True)
     assert torch.equal(again.sequences, ref)
-    gate = runner_for(m).cost_model(3).gate
-    assert gate.pause > gate.FIRST_PAUSE  # closed at least once
+    gate = runner_for(m).cost_model(3).gate_for("assisted")
+    assert gate.pause >= gate.FIRST_PAUSE  # closed at least once
     assert again.speculative_stats["proposed_drafts"] < out.speculative_stats["proposed_drafts"]
