@@ -241,7 +241,9 @@ class SpeculationGate:
     verification's cost ``c(q)`` (measured, in one-token steps: robust to a busy machine) and the proposal's time in
     one-token steps. The *efficiency* of the recent such steps is their tokens over their costs (plain decoding: 1).
     A first judgement reads :attr:`WINDOW` steps; a retry after a pause reads only :attr:`RETRY_WINDOW`, since it only
-    asks whether anything changed. Below :attr:`THRESHOLD` the gate closes: the next ``pause`` steps are plain, with
+    asks whether anything changed. Below :attr:`THRESHOLD` (a 5 % margin: the costs are minima of undisturbed
+    forwards, and a step's own work beside the forward, accepting a tree and the proposer's bookkeeping, is not in
+    them) the gate closes: the next ``pause`` steps are plain, with
     no proposal at all. The pause is long enough that retrying at the measured loss costs at most
     :attr:`RETRY_SHARE` of the steps (a drafter that costs as much as a step is retried rarely, one that nearly pays
     often), at least :attr:`FIRST_PAUSE`, at most :attr:`MAX_PAUSE`, and at least double the last one while retries
@@ -260,7 +262,7 @@ class SpeculationGate:
 
     WINDOW = 6
     RETRY_WINDOW = 2
-    THRESHOLD = 1.0
+    THRESHOLD = 1.05
     FIRST_PAUSE = 8
     MAX_PAUSE = 256
     RETRY_SHARE = 0.02

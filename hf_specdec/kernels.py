@@ -16,23 +16,25 @@ for every target on the CPU (``HF_SPECDEC_VERIFY_KERNELS=0`` or ``runner_for(mod
 because there it is what makes a 2-4-token verification cheaper than the model's own one-token step (the forward-cost
 curves in benchmarks/RESULTS.md). It keeps its timing cache on the runner, one per model, and installs
 :class:`VerifyKernels` for each call: the kernels run for the forwards the session marks as verification (``q >= 2``)
-and for everything inside a proposal; the prefill and one-token steps that plain ``generate()`` also runs stay on the
-model's own code path. A drafter's linear layers (an EAGLE-3 / DFlash drafter, a draft model) take the faster
-product in all their forwards, one-row ones padded to two. Where ``(W @ x.T).T`` over 2 rows beats the one-row path
+and for everything inside a proposal; the prefill and a single row's one-token steps stay on the model's own code
+path, and a batch's one-token steps take only the faster linear product (as ``plain_kernels`` does). A drafter's
+linear layers (an EAGLE-3 / DFlash drafter, a draft model) take the faster product in all their forwards, one-row
+ones padded to two. Where ``(W @ x.T).T`` over 2 rows beats the one-row path
 itself (it does on this project's CPU), plain decoding could gain from padding its row to two as well:
 :func:`padded_plain_decoding` does exactly that for plain ``generate()``, and the benchmark runs it as the method
 ``plain_kernels``, so that a speedup over stock ``generate()`` splits into the kernels' share and speculation's.
 
-Which of the two linear kernels is faster is measured per weight shape and row count while decoding (a few calls
-each), not assumed: on another CPU the GEMM path may win, and then it is kept. Only plain ``nn.Linear`` modules on
-the CPU without hooks are touched, and only for the duration of one ``generate`` call. The results are the same
-products summed in another order: as with any batched verification, greedy output equals plain decoding except
-where two logits tie to the last bit.
+Which of the two linear kernels is faster is measured per weight shape and row count while decoding (the medians of
+seven interleaved calls each; the transposed product must win by 10 %), not assumed: on another CPU the GEMM path may
+win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU without hooks are touched, and only for the
+duration of one ``generate`` call. The results are the same products summed in another order: as with any batched
+verification, greedy output equals plain decoding except where two logits tie to the last bit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -43,7 +45,7 @@ from .runners import TargetRunner, TargetSession, device_type_of, runner_for
 
 ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
-_TRIALS = 3
+_TRIALS = 7  # timed calls of each product per shape before the faster is kept
 
 
 class _LinearChoice:
@@ -67,8 +69,8 @@ class _LinearChoice:
         t0 = time.perf_counter()
         out = _mm_t(x2, weight, bias) if try_mm else F.linear(x2, weight, bias)
         (mm if try_mm else plain).append(time.perf_counter() - t0)
-        if len(mm) >= _TRIALS:
-            self.choice[key] = min(mm) < 0.9 * min(plain)
+        if len(mm) >= _TRIALS:  # medians of interleaved calls: one disturbed call does not decide
+            self.choice[key] = statistics.median(mm) < 0.9 * statistics.median(plain)
         return out
 
 
@@ -228,9 +230,18 @@ class VerifyKernels:
 
     @contextlib.contextmanager
     def verifying(self, tokens_per_row: int):
-        """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row."""
-        if not self.enabled or tokens_per_row < 2 or not (self.linears or self.configs):
+        """Use the kernels for the forward inside when it scores ``tokens_per_row >= 2`` tokens per row; a one-token
+        step of a batch (2 rows or more) takes the faster linear product only, as ``plain_kernels`` does, so that a
+        batch the loop does not speculate on decodes as fast as plain decoding with the same kernels."""
+        if not self.enabled or not (self.linears or self.configs):
             yield
+            return
+        if tokens_per_row < 2:  # rows < 2 (one row) keep F.linear: see _linear_forward
+            self.active = True
+            try:
+                yield
+            finally:
+                self.active = False
             return
         self.active = True
         # switched per forward: transformers' set_attn_implementation walks every module, too slow for every step

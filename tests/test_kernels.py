@@ -67,8 +67,8 @@ def test_installed_for_one_call_and_only_for_verification():
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     with VerifyKernels(model) as k:
         assert k.linears and all("forward" in m.__dict__ for m in linears)
-        with k.verifying(1):
-            assert not k.active and model.config._attn_implementation == "sdpa"
+        with k.verifying(1):  # a one-token step: linears only (a batch's rows; one row keeps F.linear), no attention
+            assert k.active and model.config._attn_implementation == "sdpa"
         with k.verifying(4):
             assert k.active and model.config._attn_implementation == ATTN_NAME
         assert not k.active and model.config._attn_implementation == "sdpa"
