@@ -243,11 +243,11 @@ class SpeculationGate:
     A first judgement reads :attr:`WINDOW` steps; a retry after a pause reads only :attr:`RETRY_WINDOW`, since it only
     asks whether anything changed. Below :attr:`THRESHOLD` (a 5 % margin: the costs are minima of undisturbed
     forwards, and a step's own work beside the forward, accepting a tree and the proposer's bookkeeping, is not in
-    them) the gate closes: the next ``pause`` steps are plain, with
-    no proposal at all. The pause is long enough that retrying at the measured loss costs at most
-    :attr:`RETRY_SHARE` of the steps (a drafter that costs as much as a step is retried rarely, one that nearly pays
-    often), at least :attr:`FIRST_PAUSE`, at most :attr:`MAX_PAUSE`, and at least double the last one while retries
-    keep losing; a retry that pays opens the gate and resets the pause.
+    them) the gate closes: the next ``pause`` steps are plain, with no proposal at all. The pause is long enough
+    that retrying at the measured loss costs at most :attr:`RETRY_SHARE` of the steps (a drafter that costs as much
+    as a step is retried rarely, one that nearly pays often), at least :attr:`FIRST_PAUSE`, at most
+    :attr:`MAX_PAUSE`, and at least double the last one while retries keep losing; a retry that pays opens the gate
+    and resets the pause.
 
     One gate per target runner, batch size and method (:meth:`ForwardCostModel.gate_for`), kept across calls: a
     method that lost at a batch size starts its next call at that size plain, and retries now and then.

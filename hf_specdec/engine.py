@@ -240,7 +240,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         t0 = time.perf_counter()
         # a batch whose speculation did not pay decodes plainly for a while (costs.SpeculationGate); a constant
         # schedule (the user's choice) and a single row (the proposers' own rules and back-off) are not gated
-        gate = state.cost_model.gate_for(proposer.name) if state.batch_size > 1 and getattr(proposer, "adaptive", True) else None
+        gated = state.batch_size > 1 and getattr(proposer, "adaptive", True)
+        gate = state.cost_model.gate_for(proposer.name) if gated else None
         with target.drafting():  # now and then a plain step re-measures the unit of the forward costs (costs.py)
             drafting = any(state.max_drafts) and not state.cost_model.probe_due() and (gate is None or gate.open())
             tree = proposer.propose(state) if drafting else None

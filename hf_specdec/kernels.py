@@ -19,8 +19,8 @@ curves in benchmarks/RESULTS.md). It keeps its timing cache on the runner, one p
 and for everything inside a proposal; the prefill and a single row's one-token steps stay on the model's own code
 path, and a batch's one-token steps take only the faster linear product (as ``plain_kernels`` does). A drafter's
 linear layers (an EAGLE-3 / DFlash drafter, a draft model) take the faster product in all their forwards, one-row
-ones padded to two. Where ``(W @ x.T).T`` over 2 rows beats the one-row path
-itself (it does on this project's CPU), plain decoding could gain from padding its row to two as well:
+ones padded to two. Where ``(W @ x.T).T`` over 2 rows beats the one-row path itself (it does on this project's CPU),
+plain decoding could gain from padding its row to two as well:
 :func:`padded_plain_decoding` does exactly that for plain ``generate()``, and the benchmark runs it as the method
 ``plain_kernels``, so that a speedup over stock ``generate()`` splits into the kernels' share and speculation's.
 
@@ -236,23 +236,18 @@ class VerifyKernels:
         if not self.enabled or not (self.linears or self.configs):
             yield
             return
-        if tokens_per_row < 2:  # rows < 2 (one row) keep F.linear: see _linear_forward
-            self.active = True
-            try:
-                yield
-            finally:
-                self.active = False
-            return
-        self.active = True
-        # switched per forward: transformers' set_attn_implementation walks every module, too slow for every step
-        for config in self.configs:
+        self.active = True  # the linear product; a single row keeps F.linear (see _linear_forward)
+        # the packed attention only for several tokens per row (one query token: transformers already folds the
+        # heads); switched per forward: transformers' set_attn_implementation walks every module, too slow per step
+        configs = self.configs if tokens_per_row >= 2 else []
+        for config in configs:
             config._attn_implementation_internal = ATTN_NAME
         try:
             yield
         finally:
             self.active = False
             self.mask_repeats.clear()
-            for config in self.configs:
+            for config in configs:
                 config._attn_implementation_internal = "sdpa"
 
 
