@@ -58,6 +58,7 @@ class _LinearChoice:
     def __init__(self):
         self.times: dict[tuple, tuple[list[float], list[float]]] = {}
         self.choice: dict[tuple, bool] = {}
+        self.inexact: dict[tuple, set] = {}  # half precision: the products whose rows differ from a one-row F.linear
 
     def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads())
@@ -69,8 +70,12 @@ class _LinearChoice:
         t0 = time.perf_counter()
         out = _mm_t(x2, weight, bias) if try_mm else F.linear(x2, weight, bias)
         (mm if try_mm else plain).append(time.perf_counter() - t0)
+        if weight.dtype in HALF and x2.shape[0] > 1 and not torch.equal(out[:1], F.linear(x2[:1], weight, bias)):
+            self.inexact.setdefault(key, set()).add(try_mm)  # rounds unlike plain decoding's one-row step
         if len(mm) >= _TRIALS:  # medians of interleaved calls: one disturbed call does not decide
-            self.choice[key] = statistics.median(mm) < 0.9 * statistics.median(plain)
+            faster = statistics.median(mm) < 0.9 * statistics.median(plain)
+            inexact = self.inexact.get(key, set())
+            self.choice[key] = (faster and True not in inexact) or (False in inexact and True not in inexact)
         return out
 
 
@@ -101,13 +106,136 @@ class _MaskRepeats:
         self.last = (None, 0, None)
 
 
+HALF = (torch.bfloat16, torch.float16)
+
+
+class _ExactRows:
+    """Half-precision attention for one row that gives each query token the bits of a one-token decoding step.
+
+    In bf16 / fp16 a verification forward diverges from plain decoding unless every product rounds as in the
+    one-token step: the CPU's flash-attention kernel gives a query different bits depending on how many query rows
+    it processes together and on how many full vector widths (:attr:`lanes` keys) its key row spans; the linear
+    layers do not (the products are row-independent; :class:`_LinearChoice` checks it). So each query token runs as
+    plain decoding runs it -- one query over exactly its own keys (``enable_gqa``, no repeated heads) -- with the
+    tokens as rows of the batch dimension, one call per group of queries whose key counts share a vector count (a
+    chain of 16 tokens: one or two calls per layer). A query whose keys are not a prefix of the cache (a branch of a
+    draft tree) gets its keys gathered into the order plain decoding would hold them in (``gather``).
+
+    :attr:`lanes` is measured once per process, dtype and head shape (:func:`_exact_lanes`), not assumed. One per
+    :class:`VerifyKernels`; the plan is computed once per forward (every layer gets the same mask).
+    """
+
+    def __init__(self, gather: bool = True):
+        self.gather = gather
+        self.last: tuple = (None, None)  # (mask, plan)
+
+    def plan(self, attention_mask: torch.Tensor, lanes: int):
+        """``[(rows [n], width, mask [n, 1, 1, width] or None, columns [n, width] or None)]`` for the query rows of
+        ``attention_mask [1, 1, q, K]``; ``None`` where the rows cannot be computed exactly (a branch, and
+        ``gather`` off)."""
+        if self.last[0] is attention_mask:
+            return self.last[1]
+        allowed = attention_mask[0, 0] == 0  # [q, K]
+        counts = allowed.sum(1)  # [q]
+        last = allowed.shape[1] - allowed.flip(1).to(torch.uint8).argmax(1)  # [q]: one past the last allowed key
+        prefix = (last == counts).tolist()
+        if not all(prefix) and not self.gather:
+            plan = None
+        else:
+            plan = []
+            groups: dict[tuple, list[int]] = {}
+            for i, n in enumerate(counts.tolist()):
+                groups.setdefault((prefix[i], n // lanes), []).append(i)
+            for (is_prefix, _), rows in groups.items():
+                width = int(counts[rows].max())
+                index = torch.tensor(rows, device=attention_mask.device)
+                columns = None
+                if is_prefix:
+                    ok = allowed[index, :width]  # [n, width]
+                else:  # the allowed keys of each row, in cache order (ancestors follow their parents), padded
+                    ok = torch.arange(width, device=index.device)[None] < counts[index][:, None]
+                    columns = torch.sort(torch.where(allowed[index], 0, 1), dim=1, stable=True).indices[:, :width]
+                    columns = columns.masked_fill(~ok, 0)
+                mask = None
+                if not bool(ok.all()):
+                    mask = torch.zeros(ok.shape, dtype=attention_mask.dtype, device=ok.device)
+                    mask = mask.masked_fill_(~ok, torch.finfo(attention_mask.dtype).min)[:, None, None, :]
+                plan.append((index, width, mask, columns))
+        self.last = (attention_mask, plan)
+        return plan
+
+    def clear(self) -> None:
+        self.last = (None, None)
+
+
+def _exact_attention(query, key, value, plan, scaling, groups: int) -> torch.Tensor:
+    """Attention of ``query [1, H, q, D]`` over ``key`` / ``value [1, Hkv, K, D]`` row group by row group of
+    ``plan`` (:meth:`_ExactRows.plan`); returns ``[1, q, H, D]`` as transformers' attention functions do."""
+    heads, q_len = query.shape[1], query.shape[2]
+    out = query.new_empty(q_len, heads, value.shape[-1])  # [q, H, Dv]
+    gqa = {"enable_gqa": True} if groups > 1 else {}
+    for rows, width, mask, columns in plan:
+        n = rows.shape[0]
+        q = query[0].index_select(1, rows).transpose(0, 1)[:, :, None]  # [n, H, 1, D]
+        if columns is None:
+            k = key[:, :, :width].expand(n, -1, -1, -1)  # [n, Hkv, width, D]: a view
+            v = value[:, :, :width].expand(n, -1, -1, -1)
+        else:
+            k = key[0][:, columns].transpose(0, 1)  # [n, Hkv, width, D]: gathered
+            v = value[0][:, columns].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)  # [n, H, 1, Dv]
+        out.index_copy_(0, rows, o[:, :, 0])
+    return out[None]
+
+
+_LANES: dict[tuple, int] = {}
+
+
+def _exact_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> int:
+    """The width ``W`` such that queries whose key counts share ``count // W`` get the same bits from one batched
+    call (masked to each one's keys) as from their own one-query calls; 1 (every query alone) when no width does.
+    Measured once per process on random inputs: it depends on the CPU's vector width and the kernel's blocking."""
+    key_ = (dtype, heads, kv_heads, head_dim)
+    if key_ in _LANES:
+        return _LANES[key_]
+    gen = torch.Generator().manual_seed(0)
+    trials = [(int(torch.randint(1, 700, (1,), generator=gen)), int(torch.randint(2, 17, (1,), generator=gen)))
+              for _ in range(24)]
+    groups = heads // kv_heads
+    gqa = {"enable_gqa": True} if groups > 1 else {}
+    cases = []
+    for past, q in trials:
+        k, v = (torch.randn(1, kv_heads, past + q, head_dim, generator=gen).to(dtype) for _ in range(2))
+        query = torch.randn(1, heads, q, head_dim, generator=gen).to(dtype)
+        ref = torch.cat([F.scaled_dot_product_attention(query[:, :, i:i + 1], k[:, :, :past + i + 1],
+                                                        v[:, :, :past + i + 1], **gqa) for i in range(q)], 2)
+        allowed = torch.ones(q, past + q, dtype=torch.bool).tril(past)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        cases.append((query, k, v, ref.transpose(1, 2), mask[None, None]))
+    lanes = 1
+    for width in (16, 8, 32, 4):
+        if all(torch.equal(_exact_attention(query, k, v, _ExactRows(gather=False).plan(mask, width), None, groups),
+                           ref) for query, k, v, ref, mask in cases):
+            lanes = width
+            break
+    _LANES[key_] = lanes
+    return lanes
+
+
 def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                 mask_repeats: _MaskRepeats | None = None, **kwargs):
-    """``sdpa`` attention that folds the query heads of each key/value group into the query length."""
+                 mask_repeats: _MaskRepeats | None = None, exact: _ExactRows | None = None, **kwargs):
+    """``sdpa`` attention that folds the query heads of each key/value group into the query length; in half
+    precision, for one row, the query tokens as plain decoding computes them (:class:`_ExactRows`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
+    if (exact is not None and query.dtype in HALF and query.shape[0] == 1 and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dim() == 4 and not module.training
+            and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux", "sinks"))):
+        plan = exact.plan(attention_mask, _exact_lanes(query.dtype, query.shape[1], key.shape[1], query.shape[3]))
+        if plan is not None:
+            return _exact_attention(query, key, value, plan, scaling, groups), None
     plain = (
         groups <= 1 or q_len <= 1 or attention_mask is None or not isinstance(attention_mask, torch.Tensor)
         or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or module.training
@@ -127,8 +255,9 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return out.reshape(bsz, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _register_attention(mask_repeats: _MaskRepeats) -> bool:
-    """Register the packed attention (reading ``mask_repeats``) under :data:`ATTN_NAME` with transformers."""
+def _register_attention(mask_repeats: _MaskRepeats, exact: _ExactRows | None = None) -> bool:
+    """Register the packed attention (reading ``mask_repeats`` and ``exact``) under :data:`ATTN_NAME` with
+    transformers."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -136,7 +265,7 @@ def _register_attention(mask_repeats: _MaskRepeats) -> bool:
         return False
 
     def attention(*args, **kwargs):
-        return _packed_sdpa(*args, mask_repeats=mask_repeats, **kwargs)
+        return _packed_sdpa(*args, mask_repeats=mask_repeats, exact=exact, **kwargs)
 
     AttentionInterface.register(ATTN_NAME, attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
@@ -166,11 +295,14 @@ class VerifyKernels:
                 out = model(input_ids=tokens, attention_mask=mask4d, position_ids=pos, past_key_values=cache)
     """
 
-    def __init__(self, model, enabled: bool = True, drafters=(), choice: _LinearChoice | None = None):
+    def __init__(self, model, enabled: bool = True, drafters=(), choice: _LinearChoice | None = None,
+                 exact: bool = True):
         self.model = model
         self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
         self.choice = choice if choice is not None else _LinearChoice()
         self.mask_repeats = _MaskRepeats()
+        # half precision: one row's tokens get the bits of plain decoding's one-token steps (see _ExactRows)
+        self.exact = _ExactRows() if exact and model.dtype in HALF else None
         self.active = False
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
@@ -187,7 +319,7 @@ class VerifyKernels:
             for module in plain_cpu_linears(drafter):  # skips the target's (already replaced) shared layers
                 module.forward = self._linear_forward(module, always=True)
                 self.linears.append(module)
-        if _register_attention(self.mask_repeats):
+        if _register_attention(self.mask_repeats, self.exact):
             seen = set()
             for module in self.model.modules():
                 config = getattr(module, "config", None)
@@ -239,7 +371,8 @@ class VerifyKernels:
         self.active = True  # the linear product; a single row keeps F.linear (see _linear_forward)
         # the packed attention only for several tokens per row (one query token: transformers already folds the
         # heads); switched per forward: transformers' set_attn_implementation walks every module, too slow per step
-        configs = self.configs if tokens_per_row >= 2 else []
+        # (half precision: one token too, as plain decoding computes it, see _ExactRows)
+        configs = self.configs if tokens_per_row >= 2 or self.exact is not None else []
         for config in configs:
             config._attn_implementation_internal = ATTN_NAME
         try:
@@ -247,6 +380,8 @@ class VerifyKernels:
         finally:
             self.active = False
             self.mask_repeats.clear()
+            if self.exact is not None:
+                self.exact.clear()
             for config in configs:
                 config._attn_implementation_internal = "sdpa"
 
@@ -255,7 +390,8 @@ class CpuKernelSession(TargetSession):
     """A :class:`~hf_specdec.runners.TargetSession` with :class:`VerifyKernels` installed for the call."""
 
     def __enter__(self) -> "CpuKernelSession":
-        self.kernels = VerifyKernels(self.model, drafters=self.drafters, choice=self.runner.choice).__enter__()
+        self.kernels = VerifyKernels(self.model, drafters=self.drafters, choice=self.runner.choice,
+                                     exact=self.runner.exact).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -275,9 +411,10 @@ class CpuKernelRunner(TargetRunner):
     name = "cpu_kernels"
     session_class = CpuKernelSession
 
-    def __init__(self, model):
+    def __init__(self, model, exact: bool = True):
         super().__init__(model)
         self.choice = _LinearChoice()
+        self.exact = exact  # half precision: one row's verification rounds as plain decoding does (_ExactRows)
 
     @classmethod
     def applies_to(cls, model) -> bool:

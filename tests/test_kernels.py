@@ -8,7 +8,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import hf_specdec
 from hf_specdec import kernels
 from hf_specdec.kernels import ATTN_NAME, VerifyKernels
-from oracles import OracleTree
+from hf_specdec.runners import runner_for
+from oracles import OracleChain, OracleTree
 from tiny import ARCHS, prompts, tiny_model
 
 
@@ -157,3 +158,67 @@ def test_padded_plain_decoding_is_plain_decoding():
         padded = model.generate(ids, max_new_tokens=10, do_sample=False)
     assert torch.equal(plain, padded)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+# ---- half precision: one row's verification rounds as plain decoding's one-token steps (kernels._ExactRows)
+def _one_token_attention(query, key, value, allowed):
+    """Plain decoding's own call for each query row: one query over its allowed keys, gathered in cache order."""
+    groups = query.shape[1] // key.shape[1]
+    outs = []
+    for i in range(query.shape[2]):
+        cols = allowed[i].nonzero()[:, 0]
+        outs.append(F.scaled_dot_product_attention(query[:, :, i:i + 1], key[:, :, cols], value[:, :, cols],
+                                                   enable_gqa=groups > 1))
+    return torch.cat(outs, 2).transpose(1, 2)  # [1, q, H, D]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_exact_half_attention_matches_one_token_steps(dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    for past in (1, 15, 16, 17, 100, 255, 513):
+        q = 11
+        key, value = (torch.randn(1, 3, past + q, 64, generator=gen).to(dtype) for _ in range(2))
+        query = torch.randn(1, 9, q, 64, generator=gen).to(dtype)
+        if shape == "chain":
+            ancestors = torch.ones(q, q, dtype=torch.bool).tril()
+        else:  # a random tree in topological order: each node sees its parent's ancestors and itself
+            ancestors = torch.eye(q, dtype=torch.bool)
+            for i in range(1, q):
+                ancestors[i] |= ancestors[int(torch.randint(0, i, (1,), generator=gen))]
+        allowed = torch.cat([torch.ones(q, past, dtype=torch.bool), ancestors], 1)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+        lanes = kernels._exact_lanes(dtype, 9, 3, 64)
+        out = kernels._exact_attention(query, key, value, kernels._ExactRows().plan(mask, lanes), None, 3)
+        assert torch.equal(out, _one_token_attention(query, key, value, allowed)), past
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("oracle", [OracleTree, OracleChain])
+def test_half_precision_verification_is_bitwise_plain_decoding(arch, oracle):
+    """bf16, one row: every verified position's logits are the bits of the target's own one-token step, so the
+    output is plain greedy decoding's whatever the drafts (with the packed attention they are not: the control)."""
+    for exact in (True, False):
+        model = tiny_model(arch).to(torch.bfloat16)
+        runner_for(model).exact = exact
+        ids, mask = prompts(1, length=12, seed=3)
+        kw = dict(max_new_tokens=40, eos_token_id=None, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+        ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw,
+                             custom_generate=hf_specdec.decoding_method(oracle(ref.sequences)))
+        same = all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
+        assert same == exact, exact
+        if exact:
+            assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_linear_choice_keeps_the_product_that_rounds_as_one_row(monkeypatch):
+    """In half precision a product whose rows round unlike a one-row F.linear is never chosen, however fast."""
+    real = kernels._mm_t
+    monkeypatch.setattr(kernels, "_mm_t", lambda x, w, b: real(x, w, b) * 1.01)  # "faster" and wrong in the bits
+    choice = kernels._LinearChoice()
+    weight, x = torch.randn(64, 16).bfloat16(), torch.randn(3, 16).bfloat16()
+    for _ in range(2 * kernels._TRIALS):
+        choice(x, weight, None)
+    assert choice.choice == {next(iter(choice.times)): False}
