@@ -22,6 +22,9 @@ import math
 # (benchmarks/RESULTS.md); accelerators.
 _CPU_PRIOR = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.6, 16: 2.1, 32: 2.5, 64: 3.4}
 _CPU_OWN_PRIOR = {1: 1.0, 2: 1.65, 4: 1.5, 8: 1.7, 16: 1.85, 32: 2.6, 64: 3.6}
+# bf16 on a CPU with AMX / AVX512-BF16 and the CPU kernel runner, one row's verification rounding as plain decoding's
+# steps (kernels._ExactRows): nearly flat up to 8 tokens (benchmarks/RESULTS.md, "bfloat16 on the CPU")
+_CPU_HALF_PRIOR = {1: 1.0, 2: 1.0, 4: 1.03, 8: 1.1, 16: 1.3, 32: 1.7, 64: 2.6}
 _GPU_PRIOR = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.15, 64: 1.4}
 
 

@@ -15,12 +15,19 @@ it cannot be trusted:
 Before the timed runs the demo prints how long they will take (from one full plain generation), and it prints a
 line as each round and each row finishes. Every output is checked token for token against plain greedy decoding.
 
+``dtype`` (``hf-specdec demo --dtype bfloat16``): the model runs in it (:func:`~hf_specdec.dtypes.resolve_dtype`:
+float32 on a CPU without fast kernels for it) and the drafters follow it. In half precision an output is identical
+to plain greedy decoding in the same dtype only up to rounding: each row reports how many repeats matched
+(``matches``), and a difference is no failure.
+
 Example::
 
     from hf_specdec.demo import run_demo
 
     summary, rows = run_demo(max_new_tokens=32, methods=["prompt_lookup"], repeats=3)
     summary["prompt_lookup", "copy"]["speedup"], rows[0]["proposed_drafts"], rows[0]["noisy"]
+    summary, rows = run_demo(max_new_tokens=32, methods=["eagle3"], dtype="bfloat16")  # eagle3's drafter in bf16 too
+    summary["eagle3", "chat"]["match_rate"], rows[0]["matches"]
 """
 
 from __future__ import annotations
@@ -34,12 +41,14 @@ import torch
 
 from . import registry
 from .default_model import MODEL_ID
+from .dtypes import HALF, dtype_name, resolve_dtype
 from .entry import decoding_method
 from .kernels import padded_plain_decoding
 
 NOISY_SPREAD = 0.25  # (max - min) / median of a row's speedups across repeats above this: "noisy"
 TAU_MARGIN = 1.5  # a speedup over the kernel-matched plain loop above tau x this is impossible: "disturbed"
 FLAT_TAU, FLAT_SPEEDUP = 1.05, 1.3  # tau about 1 (almost no draft accepted), yet this much faster: "disturbed"
+HALF_NOTE = "half precision: outputs identical to plain decoding up to rounding; match rate reported"
 
 _NEWS = (
     "The Bureau of Meteorology said a cold front would cross the state on Sunday, bringing strong winds and "
@@ -141,8 +150,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} minutes"
 
 
-def _row(kind, index, name, label, new_tokens, times, stats, same, cpu):
-    """One (prompt, method) row from its repeats: medians, drafts, spread and flags."""
+def _row(kind, index, name, label, new_tokens, times, stats, matches, cpu, dtype="float32"):
+    """One (prompt, method) row from its repeats: medians, drafts, spread and flags; ``matches``: how many repeats'
+    outputs were identical to plain greedy decoding."""
     base, spec, kern = times["plain"], times[name], times["kernels"]
     speedups = [b / s for b, s in zip(base, spec)]
     vs_kernels = [k / s for k, s in zip(kern, spec)] if kern else None
@@ -157,14 +167,22 @@ def _row(kind, index, name, label, new_tokens, times, stats, same, cpu):
         speedup=statistics.median(speedups), vs_kernels=median_vs_kernels, tau=tau,
         proposed_drafts=int(statistics.median(s["proposed_drafts"] for s in stats)),
         accepted_drafts=int(statistics.median(s["accepted_drafts"] for s in stats)),
-        spread=row_spread, noisy=row_spread > NOISY_SPREAD, disturbed=disturbed(matched, tau), same=same,
-        repeats=len(spec), base_times=list(base), spec_times=list(spec), kernel_times=list(kern) if kern else None,
+        spread=row_spread, noisy=row_spread > NOISY_SPREAD, disturbed=disturbed(matched, tau),
+        same=matches == len(spec), matches=matches, dtype=dtype, repeats=len(spec),
+        base_times=list(base), spec_times=list(spec), kernel_times=list(kern) if kern else None,
     )
 
 
 def _flags(r) -> str:
     notes = ([f"noisy: {r['spread']:.0%}"] if r["noisy"] else []) + (["disturbed"] if r["disturbed"] else [])
     return ", ".join(notes)
+
+
+def _outputs(r) -> str:
+    """``identical``, else ``MISMATCH`` in float32 and ``match 2/3`` (repeats identical) in half precision."""
+    if r["same"]:
+        return "identical"
+    return "MISMATCH" if r.get("dtype", "float32") == "float32" else f"match {r['matches']}/{r['repeats']}"
 
 
 def _row_line(r, n_prompts) -> str:
@@ -174,7 +192,7 @@ def _row_line(r, n_prompts) -> str:
             f"speedup {r['speedup']:4.2f}x  "
             + (f"vs padded plain {r['vs_kernels']:4.2f}x  " if r["vs_kernels"] else "")
             + f"acceptance length {r['tau']:.2f} ({r['proposed_drafts']} drafts proposed, "
-            f"{r['accepted_drafts']} accepted)  {'identical' if r['same'] else 'MISMATCH'}"
+            f"{r['accepted_drafts']} accepted)  {_outputs(r)}"
             + (f"  [{_flags(r)}]" if _flags(r) else ""))
 
 
@@ -202,8 +220,17 @@ def _summarize(rows, chosen, cpu: bool) -> dict:
                 noisy=any(r["noisy"] for r in sel),
                 disturbed=any(r["disturbed"] for r in sel) or disturbed(vs_kernels if cpu else speedup, tau),
                 identical=all(r["same"] for r in sel),
+                match_rate=sum(r["matches"] for r in sel) / sum(r["repeats"] for r in sel),
+                dtype=sel[0]["dtype"],
             )
     return summary
+
+
+def _summary_outputs(s) -> str:
+    """As :func:`_outputs`, for a summary row: ``match 80%`` (runs identical) in half precision."""
+    if s["identical"]:
+        return "identical"
+    return "MISMATCH" if s.get("dtype", "float32") == "float32" else f"match {s['match_rate']:.0%}"
 
 
 def _print_summary(summary, chosen, repeats) -> None:
@@ -216,7 +243,7 @@ def _print_summary(summary, chosen, repeats) -> None:
                           + (["disturbed"] if s["disturbed"] else []))
         print(f"{_label(name, chosen[name]):16s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
               f"{s['speedup']:7.2f}x {vs} {s['tau']:10.2f} {s['proposed_drafts']:9d} {s['accepted_drafts']:9d}  "
-              f"{'identical' if s['identical'] else 'MISMATCH':9s}  {flags}")
+              f"{_summary_outputs(s):9s}  {flags}")
     print(f"times: the median of the {repeats} interleaved repeats of each prompt; speedup: over stock generate()"
           + ("; vs padded plain: over plain greedy decoding that uses the same CPU kernel trick as the speculative "
              "loop (one row computed as two), i.e. speculation's own share"
@@ -233,7 +260,7 @@ def _print_summary(summary, chosen, repeats) -> None:
 
 
 def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 3, verbose: bool = True,
-             drafters: dict | None = None, **by_flag):
+             drafters: dict | None = None, dtype: str | torch.dtype = "float32", **by_flag):
     """Run plain greedy and every available method on the demo prompts; return ``(summary, rows)``.
 
     Each generation runs ``repeats`` times, interleaved (plain, kernel-matched plain, m1, m2, ..., plain, ...), and
@@ -241,8 +268,12 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     over the kernel-matched plain loop (on a CPU: plain greedy decoding with the CPU kernel trick the speculative
     loop uses, :func:`~hf_specdec.kernels.padded_plain_decoding`, i.e. speculation's own share), ``tau`` (the
     acceptance length), ``proposed_drafts`` / ``accepted_drafts``, ``spread`` with the flags ``noisy`` and
-    ``disturbed`` (see the module's docstring) and ``same`` (every repeat's output identical to plain greedy
-    decoding). ``summary[(method, kind)]`` aggregates the rows of a method by kind of prompt (copy, chat, math).
+    ``disturbed`` (see the module's docstring), ``same`` (every repeat's output identical to plain greedy
+    decoding), ``matches`` (how many repeats' were) and ``dtype``. ``summary[(method, kind)]`` aggregates the rows
+    of a method by kind of prompt (copy, chat, math), with ``match_rate``.
+
+    ``dtype``: the model's (:func:`~hf_specdec.dtypes.resolve_dtype`; the drafters follow it, and plain greedy
+    decoding runs in it too). In half precision ``same`` is informative: identical up to rounding.
 
     Example:
         >>> summary, rows = run_demo(max_new_tokens=8, methods=["prompt_lookup"], repeats=1)  # doctest: +SKIP
@@ -258,8 +289,9 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
         if verbose:
             print(*args, flush=True)
 
+    dtype = resolve_dtype(dtype)  # the default model runs on the CPU
     torch.manual_seed(0)
-    model, tokenizer = load_smollm2(verbose=verbose)
+    model, tokenizer = load_smollm2(dtype=dtype, verbose=verbose)
     for name in methods or ():
         registry.get(name)  # an unknown name: the registry's error, with the list
     given = {k: v for k, v in by_flag.items() if v is not None}
@@ -275,7 +307,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     cpu = model.device.type == "cpu"
 
     # warm-up (first calls pay one-time costs), then one full plain generation to say how long the runs will take
-    say(f"warming up {', '.join(_label(n, o) for n, o in chosen.items())} ...")
+    say(f"warming up {', '.join(_label(n, o) for n, o in chosen.items())} in {dtype_name(dtype)} ...")
     model.generate(**encoded[0], max_new_tokens=8, do_sample=False)
     if cpu:
         with padded_plain_decoding(model):
@@ -291,6 +323,8 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
         f"{len(chosen)} method{'s' if len(chosen) != 1 else ''}) = {n_runs} generations of up to {max_new_tokens} "
         f"tokens; one plain generation took {t_plain:.1f} s, so about {_duration(n_runs * t_plain)} for "
         f"{len(chosen)} method{'s' if len(chosen) != 1 else ''} x {repeats} repeats")
+    if dtype in HALF:
+        say(HALF_NOTE)
 
     rows = []
     started = time.perf_counter()
@@ -298,7 +332,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     for index, ((kind, _), enc) in enumerate(zip(prompts, encoded)):
         times = {"plain": [], "kernels": [], **{name: [] for name in chosen}}
         stats = {name: [] for name in chosen}
-        same = dict.fromkeys(chosen, True)
+        matches = dict.fromkeys(chosen, 0)  # repeats whose output is identical to plain greedy decoding
         kernels_fair = cpu
         n_new = 0
         for rep in range(repeats):
@@ -320,7 +354,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
                                      return_dict_in_generate=True)
                 times[name].append(time.perf_counter() - t0)
                 stats[name].append(out.speculative_stats)
-                same[name] = same[name] and torch.equal(out.sequences, base)
+                matches[name] += torch.equal(out.sequences, base)
             rounds_done += 1
             left = (time.perf_counter() - started) / rounds_done * (n_rounds - rounds_done)
             say(f"  [{kind:4s} {index + 1}/{len(prompts)}] repeat {rep + 1}/{repeats}: "
@@ -329,7 +363,8 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
                              *((n, _label(n, o)) for n, o in chosen.items())] if times[key])
                 + (f"  (about {_duration(left)} left)" if rounds_done < n_rounds else ""))
         for name, opts in chosen.items():
-            rows.append(_row(kind, index, name, _label(name, opts), n_new, times, stats[name], same[name], cpu))
+            rows.append(_row(kind, index, name, _label(name, opts), n_new, times, stats[name], matches[name], cpu,
+                             dtype_name(dtype)))
             say(_row_line(rows[-1], len(prompts)))
 
     summary = _summarize(rows, chosen, cpu)

@@ -40,7 +40,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .costs import _CPU_PRIOR
+from .costs import _CPU_HALF_PRIOR, _CPU_PRIOR
+from .dtypes import HALF
 from .runners import TargetRunner, TargetSession, device_type_of, runner_for
 
 ATTN_NAME = "hf_specdec_packed_sdpa"
@@ -104,9 +105,6 @@ class _MaskRepeats:
 
     def clear(self) -> None:
         self.last = (None, 0, None)
-
-
-HALF = (torch.bfloat16, torch.float16)
 
 
 class _ExactRows:
@@ -422,7 +420,7 @@ class CpuKernelRunner(TargetRunner):
 
     @property
     def cost_prior(self) -> dict[int, float]:
-        return _CPU_PRIOR
+        return _CPU_HALF_PRIOR if self.model.dtype in HALF else _CPU_PRIOR
 
 
 def plain_cpu_linears(model) -> list[torch.nn.Linear]:

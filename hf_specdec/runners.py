@@ -202,7 +202,7 @@ class TargetRunner:
     """Runs a target model for the decoding loop with the model's own code path.
 
     Kept across ``generate`` calls (:func:`runner_for`): it holds the measured forward costs of its model, one
-    :class:`~hf_specdec.costs.ForwardCostModel` per device type and batch size. A backend subclass sets
+    :class:`~hf_specdec.costs.ForwardCostModel` per device type, dtype and batch size. A backend subclass sets
     :attr:`session_class` (and :attr:`cost_prior`) and keeps its own state on the instance.
     """
 
@@ -211,7 +211,7 @@ class TargetRunner:
 
     def __init__(self, model):
         self.model = model
-        self.costs: dict[tuple[str, int], ForwardCostModel] = {}
+        self.costs: dict[tuple[str, str, int], ForwardCostModel] = {}
 
     @classmethod
     def applies_to(cls, model) -> bool:
@@ -224,7 +224,7 @@ class TargetRunner:
         return _CPU_OWN_PRIOR if device_type_of(self.model) == "cpu" else _GPU_PRIOR
 
     def cost_model(self, batch_size: int) -> ForwardCostModel:
-        key = (device_type_of(self.model), batch_size)
+        key = (device_type_of(self.model), str(self.model.dtype), batch_size)  # a model cast in place: new costs
         if key not in self.costs:
             self.costs[key] = ForwardCostModel(key[0], prior=self.cost_prior)
         return self.costs[key]

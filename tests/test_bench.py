@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from hf_specdec.bench import batch_markdown, batch_sweep, build_methods, markdown, run_bench
+from hf_specdec.bench import batch_markdown, batch_sweep, build_methods, fp32_baseline, markdown, run_bench
 from hf_specdec.bench.data import DATASETS, load
-from tiny import tiny_model, word_tokenizer
+from tiny import one_thread, tiny_model, word_tokenizer
 
 
 def _chat_tokenizer(width: int = 30):
@@ -221,3 +221,58 @@ def test_bench_layerskip_and_transformers_early_exit():
     assert fixed["target_forwards"] == fixed["stats"]["target_forward_passes"]
     assert fixed["tau"] is not None and 1.0 <= fixed["tau"] <= 4.0
     assert runs["hf_early_exit:2"]["target_forwards"] < 12  # drafting forwards of the first layers not counted
+
+
+@pytest.fixture()
+def single_thread():
+    with one_thread():  # bf16 at tiny shapes: no waiting on a thread pool (tiny.one_thread)
+        yield
+
+
+def test_bench_in_bfloat16_against_float32(tmp_path, single_thread):
+    """A bf16 target: stock generate() on the same target in float32 runs as 'plain_fp32' on every prompt, every
+    method gets its speedup over it and its match rate against plain generate() in bf16, and transformers' assisted
+    mode needs its draft model in the target's dtype."""
+    model32 = tiny_model("llama")
+    model = tiny_model("llama").to(torch.bfloat16)
+    drafter = tiny_model("llama", seed=4).to(torch.bfloat16)
+    tok = _chat_tokenizer(40)
+    methods = build_methods(["prompt_lookup", "hf_prompt_lookup:3", "hf_assisted"], drafter) + [fp32_baseline(model32)]
+    result = run_bench(model, tok, methods, ["gsm8k"], limit=2, max_new_tokens=6, drafter=drafter, out=str(tmp_path),
+                       progress=False, curve_sizes=[1, 2])
+    rows = {r["method"]: r for r in result["summary"]}
+    assert set(rows) == {"plain", "prompt_lookup", "hf_prompt_lookup:3", "hf_assisted", "plain_fp32"}
+    assert all(r["speedup_vs_fp32"] > 0 and 0.0 <= r["match_rate"] <= 1.0 for r in rows.values())
+    assert rows["plain_fp32"]["speedup_vs_fp32"] == 1.0 and rows["plain"]["match_rate"] == 1.0
+    assert rows["plain_fp32"]["tau"] is None and rows["plain_fp32"]["efficiency"] is None  # not probed
+    assert {(r["method"], r["dtype"]) for r in result["runs"]} == {
+        (m, "float32" if m == "plain_fp32" else "bfloat16") for m in rows}
+    order = [r["method"] for r in result["runs"]]  # the baseline first, then the methods in rotating order
+    assert order[1:5] != order[6:10] and sorted(order[1:5]) == sorted(order[6:10])
+    table = markdown(result)
+    assert "| vs fp32 stock (median) |" in table and "| match |" in table and "Half precision:" in table
+    assert json.loads((tmp_path / "bench.json").read_text())["summary"][0]["match_rate"] is not None
+    with pytest.raises(ValueError, match="hf_assisted: the draft model is torch.float32, the target torch.bfloat16"):
+        run_bench(model, tok, build_methods(["hf_assisted"], tiny_model("llama", seed=4)), ["gsm8k"], limit=1,
+                  max_new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="plain_fp32 runs a float32 model"):
+        fp32_baseline(model)
+
+
+def test_cli_bench_in_bfloat16(tmp_path, monkeypatch, single_thread):
+    """``hf-specdec bench --dtype bfloat16``: the target loads in bf16 and again in float32 for 'plain_fp32', the
+    JSON records the dtype, and a mismatch in half precision is a match rate, not exit status 1."""
+    from hf_specdec import bench, cli, dtypes
+
+    monkeypatch.setattr(dtypes, "cpu_supports", lambda dtype: True)  # any CPU: the fallback is tested elsewhere
+    tiny_model("llama").save_pretrained(tmp_path / "m")
+    _chat_tokenizer(40).save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(bench, "mismatches", lambda result: 1)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--target", str(tmp_path / "m"), "--dtype", "bfloat16", "--methods", "prompt_lookup",
+                     "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4", "--out", str(out)]) == 0
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["config"]["dtype"] == "bfloat16" and saved["machine"]["torch"] == torch.__version__
+    assert {r["method"] for r in saved["summary"]} == {"plain", "prompt_lookup", "plain_fp32"}
+    assert all("speedup_vs_fp32" in r and "match_rate" in r for r in saved["summary"])
+    assert "vs fp32 stock" in (out / "bench.md").read_text()

@@ -92,8 +92,11 @@ def test_help_shows_choices_and_defaults(capsys, monkeypatch):
     dtypes = "{float32,float16,bfloat16}"
     expected = {
         "demo": ["--max-new-tokens MAX_NEW_TOKENS tokens generated per prompt (default: 96)", "(default: 3)",
+                 f"--dtype {dtypes} the model's dtype (drafters follow it;", "reported as the match rate",
                  "--methods M1,M2", "comma-separated, of " + ", ".join(registry.available_methods())],
-        "bench": [f"--dtype {dtypes}", "the target's dtype (default: float32)", "--background-load {off,on,both}",
+        "bench": [f"--dtype {dtypes}", "the target's dtype (drafters follow it; not float32: the same target in "
+                  "float32 runs stock generate() as 'plain_fp32'", "AVX512-BF16 or AMX-BF16 (bfloat16)",
+                  "(float16) (default: float32)", "--background-load {off,on,both}",
                   "(default: off)", "of " + ", ".join(DATASETS), "(default: bench_out)", "(default: 0)",
                   "seed of the copy set's draw (default: 0)", "(default: 10)", "(default: 128)",
                   "plain, plain_kernels, oracle:K, hf_prompt_lookup:K, hf_assisted",
@@ -193,7 +196,7 @@ def test_demo_repeats_interleaved_and_checked(capsys, monkeypatch):
 
     model, tok = tiny_model("llama"), word_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'][:60] }}{% endfor %}"
-    monkeypatch.setattr(default_model, "load_smollm2", lambda verbose=True: (model, tok))
+    monkeypatch.setattr(default_model, "load_smollm2", lambda dtype=None, verbose=True: (model.to(dtype), tok))
     monkeypatch.setattr(demo, "available_demo_methods", lambda model, drafters=None, only=None, **kw: {
         "prompt_lookup": {}})  # no shipped drafter fits the tiny model
     calls = []
@@ -207,7 +210,8 @@ def test_demo_repeats_interleaved_and_checked(capsys, monkeypatch):
     assert out.count("repeat 2/2:") == 5 and "drafts proposed" in out
     timed = calls[4:]  # after the warm-up (plain, padded plain, the method) and the full plain generation
     assert timed[:6] == ["plain", "plain", "method"] * 2  # plain, padded plain, the method; again
-    assert len(rows) == 5 and all(r["same"] and r["repeats"] == 2 for r in rows)
+    assert len(rows) == 5 and all(r["same"] and r["repeats"] == r["matches"] == 2 for r in rows)
+    assert demo.HALF_NOTE not in out and all(r["dtype"] == "float32" for r in rows)
     for r in rows:
         assert {"proposed_drafts", "accepted_drafts", "tau", "spread", "noisy", "disturbed"} <= set(r)
         assert r["proposed_drafts"] >= r["accepted_drafts"] >= 0 and len(r["spec_times"]) == 2
@@ -221,13 +225,13 @@ def test_demo_flags_noisy_and_impossible_rows():
 
     stats = [{"acceptance_length": 1.0, "proposed_drafts": 10, "accepted_drafts": 0}] * 3
     steady = {"plain": [1.0, 1.0, 1.0], "kernels": [0.8, 0.8, 0.8], "m": [0.79, 0.8, 0.81]}
-    row = demo._row("chat", 0, "m", "m", 8, steady, stats, True, cpu=True)
+    row = demo._row("chat", 0, "m", "m", 8, steady, stats, 3, cpu=True)
     assert not row["noisy"] and not row["disturbed"] and row["proposed_drafts"] == 10
     busy = dict(steady, m=[0.5, 0.8, 1.0])  # speedups 2.0, 1.25, 1.0: (max - min) / median = 80 %
-    row = demo._row("chat", 0, "m", "m", 8, busy, stats, True, cpu=True)
+    row = demo._row("chat", 0, "m", "m", 8, busy, stats, 3, cpu=True)
     assert row["noisy"] and abs(row["spread"] - 0.8) < 1e-9 and "noisy: 80%" in demo._row_line(row, 5)
     slowed_plain = dict(steady, kernels=[1.6, 1.6, 1.6])  # 2x over the matched loop with tau 1: impossible
-    row = demo._row("chat", 0, "m", "m", 8, slowed_plain, stats, True, cpu=True)
+    row = demo._row("chat", 0, "m", "m", 8, slowed_plain, stats, 3, cpu=True)
     assert row["disturbed"] and "disturbed" in demo._row_line(row, 5)
     assert demo.disturbed(2.0, tau=1.8) is False and demo.disturbed(2.8, tau=1.8) is True
     assert demo.disturbed(1.35, tau=1.0) is True and demo.disturbed(None, tau=1.0) is False

@@ -327,6 +327,8 @@ def test_tree_defaults_follow_the_targets_device():
 
     assert default_tree("cuda:0") == {"top_k": 10, "depth": 7, "total_tokens": 60}
     assert default_tree("cpu") == {"top_k": 2, "depth": 3, "total_tokens": 4}
+    assert default_tree("cpu", torch.bfloat16) == {"top_k": 3, "depth": 4, "total_tokens": 8}  # a flat cost curve
+    assert default_tree("cuda", torch.bfloat16) == default_tree("cuda")
     target = tiny_model("llama", layers=4, hidden=H)
     drafter = _eagle_drafter(target)
     p = build_proposer("eagle3", target, drafter=drafter)

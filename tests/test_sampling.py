@@ -13,7 +13,7 @@ from scipy.stats import chisquare
 import hf_specdec
 from hf_specdec.proposers.base import Proposer
 from hf_specdec.tree import DraftTree
-from tiny import tiny_model
+from tiny import one_thread, tiny_model
 
 V = 6
 NEW = 3
@@ -118,14 +118,24 @@ def _chi2(counts, exact):
 PROMPT = [3, 4, 5, 3, 4]
 
 
-@pytest.fixture(scope="module")
-def target_and_exact():
-    model = _target()
+def _with_exact(model):
     processors = model._get_logits_processor(
         generation_config=model.generation_config.__class__(do_sample=True, **WARP),
         input_ids_seq_length=len(PROMPT), encoder_input_ids=None, prefix_allowed_tokens_fn=None,
         logits_processor=None, device="cpu", model_kwargs={})
     return model, _exact_distribution(model, PROMPT, processors)
+
+
+@pytest.fixture(scope="module")
+def target_and_exact():
+    return _with_exact(_target())
+
+
+@pytest.fixture(scope="module")
+def bf16_target_and_exact():
+    """The target in bfloat16, with its own distribution (the bf16 forwards' logits)."""
+    with one_thread():  # bf16 at tiny shapes: no waiting on a thread pool (tiny.one_thread)
+        return _with_exact(_target().to(torch.bfloat16))
 
 
 def _eagle3_drafter():
@@ -239,6 +249,28 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
     else:
         custom = hf_specdec.decoding_method(TopKTree())
     counts, stats = _sample(model, PROMPT, custom)
+    accepted = sum(s["accepted_drafts"] for s in stats)
+    proposed = sum(s["proposed_drafts"] for s in stats)
+    assert 0 < accepted < proposed, "the test must see both accepted and rejected drafts"
+    result = _chi2(counts, exact)
+    assert result.pvalue > 1e-3, result
+
+
+@pytest.mark.parametrize("method", ["sampled_tree", "eagle3_tree", "dflash"])
+def test_speculative_sampling_matches_a_bfloat16_target(bf16_target_and_exact, method):
+    """The same test on a bf16 target, drafters in its dtype: sampled as the bf16 target samples, at the same
+    significance."""
+    model, exact = bf16_target_and_exact
+    if method == "sampled_tree":  # random drafts: fp32 draft probabilities against the bf16 target's
+        custom = hf_specdec.decoding_method(SampledTree())
+    elif method == "eagle3_tree":
+        custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter().to(torch.bfloat16), tree_top_k=2,
+                                            tree_depth=3, tree_total_tokens=6, draft_length_schedule="constant")
+    else:
+        custom = hf_specdec.decoding_method("dflash", drafter=_dflash_drafter().to(torch.bfloat16),
+                                            draft_length_schedule="constant")
+    with one_thread():
+        counts, stats = _sample(model, PROMPT, custom)
     accepted = sum(s["accepted_drafts"] for s in stats)
     proposed = sum(s["proposed_drafts"] for s in stats)
     assert 0 < accepted < proposed, "the test must see both accepted and rejected drafts"

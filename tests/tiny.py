@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import (
     Gemma3ForCausalLM,
@@ -20,6 +22,18 @@ from transformers import (
 VOCAB = 96
 PAD, EOS, BOS = 0, 1, 2
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside the block (for bf16 / fp16 models: their products go through oneDNN's thread pool
+    even at tiny shapes, and on a busy 2-core machine each then waits for a time slice)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _scale(model, factor: float):

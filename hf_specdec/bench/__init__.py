@@ -7,6 +7,7 @@ from .harness import (
     batch_sweep,
     build_methods,
     check_method_name,
+    fp32_baseline,
     markdown,
     mismatches,
     run_bench,
@@ -14,4 +15,4 @@ from .harness import (
 from .load import background_load
 
 __all__ = ["BACKGROUND_LOAD_MODES", "background_load", "batch_markdown", "batch_sweep", "build_methods",
-           "check_method_name", "markdown", "mismatches", "run_bench"]
+           "check_method_name", "fp32_baseline", "markdown", "mismatches", "run_bench"]

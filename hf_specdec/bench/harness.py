@@ -13,22 +13,33 @@ trick the speculative loop uses (one row computed as two through ``(W @ x.T).T``
 :func:`hf_specdec.kernels.padded_plain_decoding`): when it runs, every method also gets ``speedup_vs_kernels``,
 its speedup over that kernel-matched baseline on the same prompts, i.e. speculation's own share.
 
+A half-precision target (``hf-specdec bench --dtype bfloat16``) is token-identical to plain decoding only up to
+rounding (on a CPU one row's verification rounds as one-token steps where the kernels allow it,
+:class:`hf_specdec.kernels.CpuKernelRunner`; a batch's rows, and other devices, may round differently), so a
+mismatch there is a *match rate*, not an error; and the same target in float32 runs stock greedy ``generate()`` on every prompt
+as one more baseline, ``plain_fp32`` (:func:`fp32_baseline`; its own model, in the same rotating order), so that
+every method gets its speedup over what float32 gives.
+
 JSON schema (``schema: "hf_specdec.bench/1"``):
 
 * ``machine``: platform, cpu count, torch / transformers versions, device
-* ``config``: the command-line options
+* ``config``: the command-line options (``dtype``: the target's dtype as it ran, float32 after a fallback)
 * ``cost_curve_ms``: ``{q: median milliseconds of a target forward over q new tokens, ~256-token cache}``, as the
   loop runs it (CPU verification kernels on for q >= 2 unless turned off); ``cost_curve_model_kernels_ms``: the same
   with the model's own kernels (CPU only)
 * ``runs``: one record per (method, prompt): ``method, dataset, prompt_id, new_tokens, seconds,
   prefill_seconds, target_forwards, forward_sizes, target_forward_seconds, drafter_forward_seconds, tau,
   ceiling, identical, loaded, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated
-  memory on CUDA), ``peak_abs_mb`` (absolute peak) and ``stats`` (hf_specdec's ``speculative_stats``, when available)
+  memory on CUDA), ``peak_abs_mb`` (absolute peak), ``stats`` (hf_specdec's ``speculative_stats``, when available)
+  and ``dtype`` (of the model that ran it: the target's, float32 for ``plain_fp32``, whose forwards are not probed:
+  no ``tau`` or ``ceiling``)
 * ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
   efficiency, draft_share, loop_overhead (time outside the target's forwards and the drafting per target forward,
   relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches``, ``proposed_drafts`` and
-  ``accepted_drafts`` (summed over the prompts; ``None`` for a run without ``speculative_stats``) and, when
-  ``plain_kernels`` ran, ``speedup_vs_kernels`` (median per-prompt ratio against it)
+  ``accepted_drafts`` (summed over the prompts; ``None`` for a run without ``speculative_stats``), when
+  ``plain_kernels`` ran, ``speedup_vs_kernels`` (median per-prompt ratio against it), when ``plain_fp32`` ran,
+  ``speedup_vs_fp32`` (the same against it), and for a half-precision target ``match_rate`` (the share of the
+  method's runs token-identical to plain ``generate()`` in the same dtype; for ``plain_fp32``, informative)
 * ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
 * ``background_load``: ``{"mode": "off" | "on" | "both", "processes", "pids"}`` (see below)
 
@@ -62,6 +73,7 @@ from pathlib import Path
 import torch
 
 from .. import registry
+from ..dtypes import dtype_name
 from ..entry import decoding_method
 from ..kernels import padded_plain_decoding
 from ..runners import runner_for
@@ -177,9 +189,11 @@ class BenchMethod:
     hf_specdec: bool = False  # returns speculative_stats
     context: object = None  # a context manager factory ``f(model)`` around its generate call
     caches: tuple = ()  # SuffixCaches it shares across calls: emptied after the warm-up and at each prompt set
+    model: object = None  # another model its generate call runs on (plain_fp32); None: the bench's target
 
 
 BASELINES = ("plain", "plain_kernels", "oracle:K", "hf_prompt_lookup:K", "hf_assisted", "hf_early_exit:E")
+FP32_BASELINE = "plain_fp32"  # stock generate() on the target in float32, beside a half-precision target
 BACKGROUND_LOAD_MODES = ("off", "on", "both")
 
 
@@ -226,6 +240,22 @@ def _baseline(base: str, arg: str, name: str, drafter) -> BenchMethod | None:
     if base == "hf_early_exit":  # transformers' own LayerSkip: assistant_early_exit (a second cache, all layers)
         return BenchMethod(name, {"assistant_early_exit": int(arg or 4)})
     return None
+
+
+def fp32_baseline(model32) -> BenchMethod:
+    """``plain_fp32``: stock greedy ``generate()`` on ``model32``, the bench's target loaded in float32, run beside a
+    half-precision target (its forwards are not probed: no τ or ceiling). Every method then gets
+    ``speedup_vs_fp32``.
+
+    Example::
+
+        model32, _ = load_smollm2(dtype=torch.float32)
+        methods = build_methods(["prompt_lookup"]) + [fp32_baseline(model32)]
+        result = run_bench(model_bf16, tok, methods, ["gsm8k"], limit=5, max_new_tokens=128)
+    """
+    if model32.dtype != torch.float32:
+        raise ValueError(f"plain_fp32 runs a float32 model, got {model32.dtype}.")
+    return BenchMethod(FP32_BASELINE, model=model32.eval())
 
 
 def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMethod]:
@@ -352,6 +382,11 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     if background_load not in BACKGROUND_LOAD_MODES:
         raise ValueError(f"background_load must be one of {', '.join(BACKGROUND_LOAD_MODES)}, "
                          f"got {background_load!r}.")
+    for m in methods:  # transformers' assisted loop takes the draft model as it is: it must match the target
+        assistant = m.kwargs.get("assistant_model")
+        if assistant is not None and assistant.dtype != model.dtype:
+            raise ValueError(f"{m.name}: the draft model is {assistant.dtype}, the target {model.dtype}; load it in "
+                             "the target's dtype (registry.load_drafter(\"assisted\", folder, target) does).")
     device = model.device
     time_calls = device.type != "cuda"  # per-forward timing would add a sync per forward on a GPU
     probe = ForwardProbe(model, time_calls)
@@ -371,14 +406,17 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
                 kwargs["custom_generate"] = decoding_method(OracleProposer(reference, method.oracle_k))
             if method.hf_specdec:
                 kwargs["return_dict_in_generate"] = True
+        target = method.model if method is not None and method.model is not None else model
+        if target is not model:  # plain_fp32: its own model, not probed (placed on its own under --device auto)
+            enc = {k: v.to(target.device) for k, v in enc.items()}
         probe.reset()
         if dprobe is not None:
             dprobe.reset()
         start_mem = _reset_peak(device)
         sync()
         t0 = time.perf_counter()
-        with (method.context(model) if method is not None and method.context else contextlib.nullcontext()):
-            out = model.generate(**enc, **kwargs)
+        with (method.context(target) if method is not None and method.context else contextlib.nullcontext()):
+            out = target.generate(**enc, **kwargs)
         sync()
         seconds = time.perf_counter() - t0
         peak = _peak_since(device, start_mem)  # (delta, absolute)
@@ -441,7 +479,8 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
                     for loaded in (conditions if step % 2 == 0 else conditions[::-1]):
                         with round_load() if loaded else nothing():  # "both": a load per loaded round
                             ref, records = round_of(order, enc)
-                        runs.extend(_run_records(records, ref, curve, ds, batch, enc["input_ids"].shape[1], loaded))
+                        runs.extend(_run_records(records, ref, curve, ds, batch, enc["input_ids"].shape[1], loaded,
+                                                 model.dtype))
                         bar.update(1)
                     step += 1
     finally:
@@ -476,10 +515,12 @@ def _loaded(pids: list[int]):
         yield procs
 
 
-def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool) -> list[dict]:
-    """The ``runs`` entries of one round (the baseline and every method on one prompt batch)."""
+def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool, dtype: torch.dtype) -> list[dict]:
+    """The ``runs`` entries of one round (the baseline and every method on one prompt batch); ``dtype``: the
+    target's."""
     runs = []
     for m, seq, secs, mem, stats, fsizes, fsecs, dsecs in records:
+        ran_in = m.model.dtype if m is not None and m.model is not None else dtype
         new_tokens = int(seq.shape[1] - prompt_len) * seq.shape[0]
         decode_sizes = fsizes[1:]
         n_decode = max(new_tokens - seq.shape[0], 0)
@@ -496,6 +537,7 @@ def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool) 
             ceiling=(n_decode / seq.shape[0]) / cost if cost else None,
             identical=bool(seq.shape == ref.shape and torch.equal(seq.cpu(), ref.cpu())),
             loaded=loaded, peak_mem_mb=mem[0], peak_abs_mb=mem[1], stats=stats, batch=len(batch),
+            dtype=dtype_name(ran_in),
         ))
     return runs
 
@@ -534,7 +576,8 @@ def _machine(device):
 
 
 LOADED_FIELDS = ("tau", "proposed_drafts", "accepted_drafts", "tokens_per_s", "speedup_median", "speedup_total",
-                 "speedup_vs_kernels", "ceiling", "efficiency", "draft_share", "loop_overhead", "mismatches")
+                 "speedup_vs_kernels", "speedup_vs_fp32", "ceiling", "efficiency", "draft_share", "loop_overhead",
+                 "mismatches", "match_rate")
 """The summary keys that also appear with the suffix ``_loaded`` when the bench ran with ``background_load="both"``."""
 
 
@@ -567,6 +610,8 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
     methods = list(dict.fromkeys(r["method"] for r in runs))
     datasets = list(dict.fromkeys(r["dataset"] for r in runs))
     t1 = curve[1] / 1000
+    # a half-precision target: outputs identical to plain decoding up to rounding, so a match rate per row
+    half = any(r["method"] == "plain" and r.get("dtype", "float32") != "float32" for r in runs)
     for ds in datasets:
         for m in methods:
             pairs = [(g["plain"], g[m]) for (d, _), g in by_prompt.items() if d == ds and m in g and "plain" in g]
@@ -596,7 +641,7 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                 speedup_median=statistics.median(ratios),
                 speedup_total=sum(b["seconds"] for b in base) / sum(r["seconds"] for r in mine),
                 ceiling=statistics.mean(ceilings) if ceilings else None,
-                efficiency=statistics.median(eff) if m != "plain" else None,
+                efficiency=statistics.median(eff) if m != "plain" and ceilings else None,
                 draft_share=statistics.mean(draft) if draft else 0.0,
                 loop_overhead=statistics.median(overhead) if overhead else None,
                 peak_mem_mb=max(r["peak_mem_mb"] for r in mine),
@@ -611,6 +656,12 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                             if d == ds and m in g and "plain_kernels" in g]
             if kernel_pairs:
                 rows[-1]["speedup_vs_kernels"] = statistics.median(k["seconds"] / r["seconds"] for k, r in kernel_pairs)
+            fp32_pairs = [(g[FP32_BASELINE], g[m]) for (d, _), g in by_prompt.items()
+                          if d == ds and m in g and FP32_BASELINE in g]
+            if fp32_pairs:
+                rows[-1]["speedup_vs_fp32"] = statistics.median(f["seconds"] / r["seconds"] for f, r in fp32_pairs)
+            if half:
+                rows[-1]["match_rate"] = sum(r["identical"] for r in mine) / len(mine)
     return rows
 
 
@@ -618,12 +669,14 @@ _COLUMNS = (  # (header, summary key, format); a trailing "x" in the format is w
     ("dataset", "dataset", ""), ("method", "method", ""), ("prompts", "prompts", "d"),
     ("τ", "tau", ".2f"), ("proposed drafts", "proposed_drafts", "d"), ("tok/s", "tokens_per_s", ".1f"),
     ("speedup (median)", "speedup_median", ".2fx"), ("speedup (total)", "speedup_total", ".2fx"),
-    ("vs plain_kernels (median)", "speedup_vs_kernels", ".2fx"), ("ceiling", "ceiling", ".2f"),
-    ("efficiency", "efficiency", ".2f"), ("draft share", "draft_share", ".1%"),
+    ("vs plain_kernels (median)", "speedup_vs_kernels", ".2fx"), ("vs fp32 stock (median)", "speedup_vs_fp32", ".2fx"),
+    ("ceiling", "ceiling", ".2f"), ("efficiency", "efficiency", ".2f"), ("draft share", "draft_share", ".1%"),
     ("loop overhead", "loop_overhead", ".1%"), ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
-    ("mismatches", "mismatches", "d"),
+    ("mismatches", "mismatches", "d"), ("match", "match_rate", ".0%"),
 )
-_LOADED_COLUMNS = ("tau", "proposed_drafts", "tokens_per_s", "speedup_median", "speedup_vs_kernels", "mismatches")
+_OPTIONAL_COLUMNS = ("speedup_vs_kernels", "speedup_vs_fp32", "match_rate")  # shown when a row has them
+_LOADED_COLUMNS = ("tau", "proposed_drafts", "tokens_per_s", "speedup_median", "speedup_vs_kernels", "speedup_vs_fp32",
+                   "mismatches", "match_rate")
 
 
 def _cell(value, fmt: str) -> str:
@@ -637,14 +690,15 @@ def _cell(value, fmt: str) -> str:
 def markdown(result: dict) -> str:
     """The summary as a markdown table, then the forward-cost curve (and the memory check, when it ran).
 
-    A column appears when any row has it (``vs plain_kernels`` when ``plain_kernels`` ran); with
+    A column appears when any row has it (``vs plain_kernels`` when ``plain_kernels`` ran, ``vs fp32 stock`` when
+    ``plain_fp32`` ran, ``match`` for a half-precision target); with
     ``background_load="both"`` the loaded figures of τ, proposed drafts, tok/s, the speedups and mismatches stand
     right after their quiet ones ("τ loaded", ...).
     """
     summary = result["summary"]
     columns = []
     for header, key, fmt in _COLUMNS:
-        if key == "speedup_vs_kernels" and not any(key in r for r in summary):
+        if key in _OPTIONAL_COLUMNS and not any(key in r for r in summary):
             continue
         columns.append((header, key, fmt))
         if key in _LOADED_COLUMNS and any(f"{key}_loaded" in r for r in summary):
@@ -652,6 +706,12 @@ def markdown(result: dict) -> str:
     lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for r in summary:
         lines.append("| " + " | ".join(_cell(r.get(key), fmt) for _, key, fmt in columns) + " |")
+    if any("match_rate" in r for r in summary):
+        lines.append("")
+        lines.append("Half precision: outputs identical to plain decoding up to rounding; match: the share of runs "
+                     "token-identical to plain generate() in the same dtype"
+                     + ("; vs fp32 stock: the speedup over stock generate() on the float32 target (plain_fp32)."
+                        if any("speedup_vs_fp32" in r for r in summary) else "."))
     mode = (result.get("background_load") or {}).get("mode", "off")
     if mode != "off":
         lines.append("")
@@ -747,7 +807,7 @@ def batch_summary(per_batch: dict[int, dict]) -> list[dict]:
     ``vs_plain`` (plain batched ``generate()``'s seconds over the method's on the same batches), ``vs_plain_median``
     (the median over the batches of that ratio within each batch, timed side by side: robust to a moment of other
     work on a shared machine), ``batches``, ``vs_kernels`` (the same as ``vs_plain`` against ``plain_kernels``, when it
-    ran), ``tau`` and ``mismatches``."""
+    ran), ``tau``, ``mismatches`` and, for a half-precision target, ``match_rate``."""
     rows = []
     for b, result in per_batch.items():
         runs = result["runs"]
@@ -764,6 +824,8 @@ def batch_summary(per_batch: dict[int, dict]) -> list[dict]:
                        tau=statistics.mean(taus) if taus else None, mismatches=sum(not r["identical"] for r in mine))
             if "plain_kernels" in seconds:
                 row["vs_kernels"] = seconds["plain_kernels"] / seconds[m]
+            if any(r["method"] == "plain" and r.get("dtype", "float32") != "float32" for r in runs):
+                row["match_rate"] = sum(r["identical"] for r in mine) / len(mine)
             rows.append(row)
     return rows
 

@@ -30,16 +30,21 @@ from ..tree import DraftTree, build_attention_mask
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
 
-# The dynamic tree's defaults per device type of the target: the reference's on accelerators; on a CPU a forward
-# over 5+ tokens costs much more than over 4 and every depth is a drafter forward on the critical path, so a small
-# tree of three drafts (benchmarks/RESULTS.md, "τ per tree shape").
-TREE_DEFAULTS = {"cpu": {"top_k": 2, "depth": 3, "total_tokens": 4}}
+# The dynamic tree's defaults per device type of the target: the reference's on accelerators; on a CPU in fp32 a
+# forward over 5+ tokens costs much more than over 4 and every depth is a drafter forward on the critical path, so a
+# small tree of three drafts (benchmarks/RESULTS.md, "τ per tree shape"); on a CPU in half precision a forward over 8
+# tokens costs about one step, so a wider and deeper tree ("bfloat16 on the CPU").
+TREE_DEFAULTS = {"cpu": {"top_k": 2, "depth": 3, "total_tokens": 4},
+                 "cpu-half": {"top_k": 3, "depth": 4, "total_tokens": 8}}
 REFERENCE_TREE = {"top_k": 10, "depth": 7, "total_tokens": 60}
 
 
-def default_tree(device) -> dict:
-    """``top_k`` / ``depth`` / ``total_tokens`` of the dynamic tree for a target on ``device``."""
-    return dict(TREE_DEFAULTS.get(torch.device(device).type, REFERENCE_TREE))
+def default_tree(device, dtype: torch.dtype | None = None) -> dict:
+    """``top_k`` / ``depth`` / ``total_tokens`` of the dynamic tree for a target on ``device`` in ``dtype``."""
+    kind = torch.device(device).type
+    if kind == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        kind = "cpu-half"
+    return dict(TREE_DEFAULTS.get(kind, REFERENCE_TREE))
 
 
 class Eagle3Proposer(FeatureDrafterProposer):
@@ -47,7 +52,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         drafter: an ``Eagle3Drafter`` (bound to the target in ``prepare``).
         top_k, depth, total_tokens: the dynamic tree (reference defaults 10 / 7 / 60; ``generate`` with
             ``custom_generate="hf_specdec/eagle3"`` uses :func:`default_tree` for the target's device when the
-            ``tree_*`` options are not given: 2 / 3 / 4 on a CPU).
+            ``tree_*`` options are not given: 2 / 3 / 4 on a CPU in fp32, 3 / 4 / 8 in half precision).
         num_speculative_tokens: draft a chain of this length instead of a tree.
         adaptive: verify only as many of the best ``total_tokens - 1`` nodes as pay for their cost (the loop's
             measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
@@ -287,7 +292,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
 def _build(target, opts) -> Eagle3Proposer:
     chain = opts["num_speculative_tokens"]
     given = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts[f"tree_{k}"] is not None}
-    tree = {} if chain else {**default_tree(target.device), **given}
+    tree = {} if chain else {**default_tree(target.device, target.dtype), **given}
     return Eagle3Proposer(opts["drafter"], num_speculative_tokens=chain,
                           adaptive=opts["draft_length_schedule"] != "constant", **tree)
 
@@ -313,18 +318,19 @@ METHOD = Method(
                 "pass with a tree attention mask; sampling is exact (tree rejection rule for top-k drafts). Published "
                 "layouts (research `yuhuili/EAGLE3-*`, SpecForge/SGLang, speculators) are converted in memory when "
                 "given by repo id or folder; `hf-specdec convert eagle3 <repo> <out>` converts once to safetensors. "
-                "The tree defaults depend on the target's device: the reference's on an accelerator, a small tree "
-                "on a CPU, where a forward over 5 or more tokens costs much more than over 4 and every depth is one "
-                "more drafter forward on the critical path (measured in benchmarks/RESULTS.md); a `tree_*` option "
-                "you pass replaces only that value.",
+                "The tree defaults depend on the target's device and dtype: the reference's on an accelerator, a "
+                "small tree on a CPU in fp32, where a forward over 5 or more tokens costs much more than over 4 and "
+                "every depth is one more drafter forward on the critical path, a larger one in half precision, where "
+                "8 tokens cost about one step (measured in benchmarks/RESULTS.md); a `tree_*` option you pass "
+                "replaces only that value.",
     build=_build,
     options=(
         Option("tree_top_k", int, None, f"children per expanded node (default by device: {REFERENCE_TREE['top_k']}; "
-               f"CPU {TREE_DEFAULTS['cpu']['top_k']})"),
+               f"CPU {TREE_DEFAULTS['cpu']['top_k']}, CPU half precision {TREE_DEFAULTS['cpu-half']['top_k']})"),
         Option("tree_depth", int, None, f"tree depth, the longest draft (default {REFERENCE_TREE['depth']}; "
-               f"CPU {TREE_DEFAULTS['cpu']['depth']})"),
+               f"CPU {TREE_DEFAULTS['cpu']['depth']}, half {TREE_DEFAULTS['cpu-half']['depth']})"),
         Option("tree_total_tokens", int, None, f"tree size, root included (default {REFERENCE_TREE['total_tokens']}; "
-               f"CPU {TREE_DEFAULTS['cpu']['total_tokens']})"),
+               f"CPU {TREE_DEFAULTS['cpu']['total_tokens']}, half {TREE_DEFAULTS['cpu-half']['total_tokens']})"),
         Option("num_speculative_tokens", int, None, "draft a chain of this length instead of a tree"),
         SCHEDULE,
         HYBRID,

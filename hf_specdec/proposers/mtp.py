@@ -145,7 +145,7 @@ def _build(target, opts):
         if opts["num_speculative_tokens"] is not None:
             raise ValueError("Pass num_speculative_tokens (a chain) or tree_* options (a tree), not both.")
         return MTPProposer(drafter, num_speculative_tokens=None, adaptive=adaptive,
-                           **{**default_tree(target.device), **given})
+                           **{**default_tree(target.device, target.dtype), **given})
     return MTPProposer(drafter, num_speculative_tokens=opts["num_speculative_tokens"] or DEFAULT_TOKENS,
                        adaptive=adaptive)
 
