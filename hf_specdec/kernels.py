@@ -348,15 +348,23 @@ class VerifyKernels:
     @contextlib.contextmanager
     def drafting(self):
         """Inside, every patched linear layer (the target's too: a drafter may borrow its head) is drafting cost and
-        takes the faster product for any row count."""
-        if not self.linears:
+        takes the faster product for any row count. In half precision the target's own layers run by a proposal
+        (LayerSkip's early exit, whose activations its verification resumes from) round as plain decoding does."""
+        if not self.linears and self.exact is None:
             yield
             return
         self.drafting_now = True
+        configs = self.configs if self.exact is not None else []
+        for config in configs:
+            config._attn_implementation_internal = ATTN_NAME
         try:
             yield
         finally:
             self.drafting_now = False
+            for config in configs:
+                config._attn_implementation_internal = "sdpa"
+            if self.exact is not None:
+                self.exact.clear()
 
     @contextlib.contextmanager
     def verifying(self, tokens_per_row: int):

@@ -213,6 +213,20 @@ def test_half_precision_verification_is_bitwise_plain_decoding(arch, oracle):
             assert torch.equal(out.sequences, ref.sequences)
 
 
+def test_half_precision_layerskip_resumes_from_exact_early_layers():
+    """LayerSkip's verification resumes from the activations its drafting computed with the target's own first
+    layers: those round as plain decoding's steps too (bf16, one row), so the logits are plain decoding's bits."""
+    # the real model's head shape (9 heads over 3 key/value heads of 64): the packed attention rounds differently there
+    model = tiny_model("llama", layers=4, hidden=576, num_attention_heads=9, num_key_value_heads=3).to(torch.bfloat16)
+    ids, mask = prompts(1, length=12, seed=3)
+    kw = dict(max_new_tokens=40, eos_token_id=None, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = model.generate(input_ids=ids, attention_mask=mask, **kw, exit_layer=2, num_speculative_tokens=3,
+                         draft_length_schedule="constant", custom_generate=hf_specdec.decoding_method("layerskip"))
+    assert out.speculative_stats["proposed_drafts"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
+
+
 def test_linear_choice_keeps_the_product_that_rounds_as_one_row(monkeypatch):
     """In half precision a product whose rows round unlike a one-row F.linear is never chosen, however fast."""
     real = kernels._mm_t
