@@ -147,6 +147,8 @@ class _ExactRows:
             for (is_prefix, _), rows in groups.items():
                 width = int(counts[rows].max())
                 index = torch.tensor(rows, device=attention_mask.device)
+                # consecutive rows (a chain): a slice, read and written without copies
+                where = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else index
                 columns = None
                 if is_prefix:
                     ok = allowed[index, :width]  # [n, width]
@@ -158,7 +160,7 @@ class _ExactRows:
                 if not bool(ok.all()):
                     mask = torch.zeros(ok.shape, dtype=attention_mask.dtype, device=ok.device)
                     mask = mask.masked_fill_(~ok, torch.finfo(attention_mask.dtype).min)[:, None, None, :]
-                plan.append((index, width, mask, columns))
+                plan.append((where, width, mask, columns))
         self.last = (attention_mask, plan)
         return plan
 
@@ -170,19 +172,27 @@ def _exact_attention(query, key, value, plan, scaling, groups: int) -> torch.Ten
     """Attention of ``query [1, H, q, D]`` over ``key`` / ``value [1, Hkv, K, D]`` row group by row group of
     ``plan`` (:meth:`_ExactRows.plan`); returns ``[1, q, H, D]`` as transformers' attention functions do."""
     heads, q_len = query.shape[1], query.shape[2]
-    out = query.new_empty(q_len, heads, value.shape[-1])  # [q, H, Dv]
     gqa = {"enable_gqa": True} if groups > 1 else {}
+    out = None
     for rows, width, mask, columns in plan:
-        n = rows.shape[0]
-        q = query[0].index_select(1, rows).transpose(0, 1)[:, :, None]  # [n, H, 1, D]
+        sliced = isinstance(rows, slice)
+        q = (query[0, :, rows] if sliced else query[0].index_select(1, rows)).transpose(0, 1)[:, :, None]
+        n = q.shape[0]  # q: [n, H, 1, D]
         if columns is None:
             k = key[:, :, :width].expand(n, -1, -1, -1)  # [n, Hkv, width, D]: a view
             v = value[:, :, :width].expand(n, -1, -1, -1)
+        else:  # [n, Hkv, width, D]: gathered
+            k = key[0].index_select(1, columns.view(-1)).view(key.shape[1], n, width, -1).transpose(0, 1)
+            v = value[0].index_select(1, columns.view(-1)).view(value.shape[1], n, width, -1).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)[:, :, 0]  # [n, H, Dv]
+        if n == q_len:
+            return o[None]  # one group: every row, in order
+        if out is None:
+            out = query.new_empty(q_len, heads, value.shape[-1])  # [q, H, Dv]
+        if sliced:
+            out[rows] = o
         else:
-            k = key[0][:, columns].transpose(0, 1)  # [n, Hkv, width, D]: gathered
-            v = value[0][:, columns].transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)  # [n, H, 1, Dv]
-        out.index_copy_(0, rows, o[:, :, 0])
+            out.index_copy_(0, rows, o)
     return out[None]
 
 

@@ -258,6 +258,24 @@ def fp32_baseline(model32) -> BenchMethod:
     return BenchMethod(FP32_BASELINE, model=model32.eval())
 
 
+EXACT_KEY = "exact"  # NAME:exact=0 -- the method with the CPU kernel runner's faster half-precision rounding
+
+
+@contextlib.contextmanager
+def _packed_rounding(model):
+    """Inside, one row's half-precision verification takes the packed attention: faster, and it rounds unlike the
+    one-token steps (``CpuKernelRunner.exact = False``)."""
+    runner = runner_for(model)
+    if not hasattr(runner, "exact"):  # the plain runner: the model's own attention already
+        yield
+        return
+    before, runner.exact = runner.exact, False
+    try:
+        yield
+    finally:
+        runner.exact = before
+
+
 def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMethod]:
     """Benchmark entries from method strings.
 
@@ -265,7 +283,9 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
     lists them: e.g. ``eagle3:2-3-4``, ``eagle3_chain:3``, ``dflash_fixed:8``, ``prompt_lookup:prompt_lookup_num_tokens=8``),
     or a baseline: ``plain`` (always run), ``plain_kernels`` (plain greedy decoding with the loop's CPU kernel trick),
     ``oracle:K``, ``hf_prompt_lookup:K``, ``hf_assisted``, ``hf_early_exit:E`` (transformers'
-    ``assistant_early_exit=E``). ``suffix_cache=shared`` / ``hybrid=shared`` give the method one
+    ``assistant_early_exit=E``). ``KEY=VALUE`` ``exact=0`` runs a method with the CPU kernel runner's packed
+    half-precision attention (:attr:`~hf_specdec.kernels.CpuKernelRunner.exact` off: faster, identical to plain
+    decoding only up to rounding). ``suffix_cache=shared`` / ``hybrid=shared`` give the method one
     :class:`~hf_specdec.SuffixCache` for all its calls of a prompt set (emptied after the warm-up and when the next
     set starts, so a prompt only ever drafts from the outputs of earlier prompts). ``drafters`` gives a method's drafter (a module) by its
     CLI flag, which is the method's name unless its record says otherwise (``drafter`` for ``assisted``; it is also
@@ -282,7 +302,11 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
             methods.append(entry)
             continue
         check_method_name(name)
-        record, opts = registry.parse_spec(name)
+        parts = name.split(":")
+        rounding = [p for p in parts if p.startswith(f"{EXACT_KEY}=")]  # the runner's, not a method option
+        record, opts = registry.parse_spec(":".join(p for p in parts if p not in rounding))
+        if rounding and rounding[-1] not in (f"{EXACT_KEY}=0", f"{EXACT_KEY}=1"):
+            raise ValueError(f"{name!r}: {EXACT_KEY} is 0 or 1.")
         if record.drafter is not None:
             flag = record.drafter_flag
             module = by_flag.get(flag)
@@ -297,7 +321,8 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
                 opts[key] = SuffixCache()
                 caches.append(opts[key])
         methods.append(BenchMethod(name, {"custom_generate": decoding_method(record.name, **opts)}, hf_specdec=True,
-                                   caches=tuple(caches)))
+                                   caches=tuple(caches),
+                                   context=_packed_rounding if rounding == [f"{EXACT_KEY}=0"] else None))
     return methods
 
 

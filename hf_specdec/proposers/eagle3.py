@@ -282,11 +282,28 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 while p >= 0 and p not in chosen:
                     chosen.add(p)
                     p = par[p]
-            nodes = sorted(chosen)  # candidate indices grow with depth: parents come first
+            nodes = _depth_first(sorted(chosen), par)
             slot = {c: i + 1 for i, c in enumerate(nodes)}
             rows_tokens.append(self.drafter.draft_to_target(tok[b, nodes]).tolist() if nodes else [])
             rows_parents.append([slot.get(par[c], 0) for c in nodes])
         return DraftTree.from_rows(state.roots(), rows_tokens, rows_parents)
+
+
+def _depth_first(nodes: list[int], parent: list[int]) -> list[int]:
+    """``nodes`` (candidate indices, ancestor-closed) in depth-first order, each node's best child first: parents
+    still precede their children, and the most likely path (every node's first child from the root) is a run of
+    consecutive tree nodes, whose keys are a prefix of the cache -- the cheap case of the half-precision exact
+    attention (:class:`hf_specdec.kernels._ExactRows`). Candidate indices grow with depth and, among siblings, with
+    their rank."""
+    children: dict[int, list[int]] = {}
+    for c in nodes:  # ascending: each node's children in rank order
+        children.setdefault(parent[c], []).append(c)
+    order, stack = [], list(reversed(children.get(-1, [])))
+    while stack:
+        c = stack.pop()
+        order.append(c)
+        stack.extend(reversed(children.get(c, [])))
+    return order
 
 
 def _build(target, opts) -> Eagle3Proposer:
