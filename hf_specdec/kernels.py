@@ -46,6 +46,7 @@ from .runners import TargetRunner, TargetSession, device_type_of, runner_for
 
 ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
+_MAX_EXACT_ROWS = 256
 _TRIALS = 7  # timed calls of each product per shape before the faster is kept
 
 
@@ -59,25 +60,39 @@ class _LinearChoice:
     def __init__(self):
         self.times: dict[tuple, tuple[list[float], list[float]]] = {}
         self.choice: dict[tuple, bool] = {}
-        self.inexact: dict[tuple, set] = {}  # half precision: the products whose rows differ from a one-row F.linear
 
-    def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
-        key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads())
+    def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias, exact: bool = False) -> torch.Tensor:
+        """``x2 [rows, in] @ weight.T (+ bias)`` by the faster product; ``exact`` (a target layer in half precision):
+        only by a product whose rows round as plain decoding's one-row ``F.linear``."""
+        key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads(), exact)
         use_mm = self.choice.get(key) if self.force is None else self.force
         if use_mm is not None:
             return _mm_t(x2, weight, bias) if use_mm else F.linear(x2, weight, bias)
         plain, mm = self.times.setdefault(key, ([], []))
+        if exact and not plain:
+            out = self._rounding(key, x2, weight, bias)
+            if out is not None:
+                return out
         try_mm = len(mm) < len(plain)
         t0 = time.perf_counter()
         out = _mm_t(x2, weight, bias) if try_mm else F.linear(x2, weight, bias)
         (mm if try_mm else plain).append(time.perf_counter() - t0)
-        if weight.dtype in HALF and x2.shape[0] > 1 and not torch.equal(out[:1], F.linear(x2[:1], weight, bias)):
-            self.inexact.setdefault(key, set()).add(try_mm)  # rounds unlike plain decoding's one-row step
         if len(mm) >= _TRIALS:  # medians of interleaved calls: one disturbed call does not decide
-            faster = statistics.median(mm) < 0.9 * statistics.median(plain)
-            inexact = self.inexact.get(key, set())
-            self.choice[key] = (faster and True not in inexact) or (False in inexact and True not in inexact)
+            self.choice[key] = statistics.median(mm) < 0.9 * statistics.median(plain)
         return out
+
+    def _rounding(self, key, x2, weight, bias) -> torch.Tensor | None:
+        """First call of a shape: does each product give every row the bits of plain decoding's one-row
+        ``F.linear``? With AMX in bf16 both do up to 32 rows (past 32 neither always does: the caller splits).
+        Where only one does, it is chosen now (and its output returned); where neither does, ``F.linear``; where
+        both do, ``None``: the timing decides."""
+        one_row = torch.cat([F.linear(x2[i:i + 1], weight, bias) for i in range(x2.shape[0])])
+        outs = {mm: _mm_t(x2, weight, bias) if mm else F.linear(x2, weight, bias) for mm in (False, True)}
+        exact = [mm for mm, out in outs.items() if torch.equal(out, one_row)]
+        if len(exact) == 2:
+            return None
+        self.choice[key] = bool(exact and exact[0])
+        return outs[self.choice[key]]
 
 
 def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -311,6 +326,9 @@ class VerifyKernels:
         self.mask_repeats = _MaskRepeats()
         # half precision: one row's tokens get the bits of plain decoding's one-token steps (see _ExactRows)
         self.exact = _ExactRows() if exact and model.dtype in HALF else None
+        # rows past which a product keeps F.linear (a batch's one-token steps); in exact half precision a draft tree
+        # of more than 32 tokens still needs products that round as one row: 32 rows at a time
+        self.max_rows = _MAX_ROWS if self.exact is None else _MAX_EXACT_ROWS
         self.active = False
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
@@ -348,10 +366,14 @@ class VerifyKernels:
             weight = module.weight
             rows = x.numel() // weight.shape[1] if x.dim() else 0
             any_rows = always or self.drafting_now  # drafting: one row too (padded to two)
-            if (not (any_rows or self.active) or rows < (1 if any_rows else 2) or rows > _MAX_ROWS
-                    or x.dtype != weight.dtype):
+            if (not (any_rows or self.active) or rows < (1 if any_rows else 2)
+                    or rows > (_MAX_ROWS if always else self.max_rows) or x.dtype != weight.dtype):
                 return F.linear(x, weight, module.bias)
-            out = self.choice(x.reshape(rows, weight.shape[1]), weight, module.bias)
+            x2, exact = x.reshape(rows, weight.shape[1]), self.exact is not None and not always
+            if exact and rows > _MAX_ROWS:  # past 32 rows oneDNN's products round rows differently (split sums)
+                out = torch.cat([self.choice(part, weight, module.bias, exact=True) for part in x2.split(_MAX_ROWS)])
+            else:
+                out = self.choice(x2, weight, module.bias, exact=exact)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         return forward
 

@@ -135,7 +135,7 @@ def test_drafter_linears_use_the_kernels_in_every_forward(forced, monkeypatch):
             h = torch.randn(3, target.config.hidden_size)
             calls = []
             choice = k.choice
-            monkeypatch.setattr(k, "choice", lambda *a: calls.append(1) or choice(*a))
+            monkeypatch.setattr(k, "choice", lambda *a, **kw: calls.append(1) or choice(*a, **kw))
             drafter[2](h)  # the shared head outside a proposal: the target's rule (F.linear)
             assert not calls
             with k.drafting():  # inside a proposal it is drafting cost
@@ -228,11 +228,31 @@ def test_half_precision_layerskip_resumes_from_exact_early_layers():
 
 
 def test_linear_choice_keeps_the_product_that_rounds_as_one_row(monkeypatch):
-    """In half precision a product whose rows round unlike a one-row F.linear is never chosen, however fast."""
-    real = kernels._mm_t
-    monkeypatch.setattr(kernels, "_mm_t", lambda x, w, b: real(x, w, b) * 1.01)  # "faster" and wrong in the bits
-    choice = kernels._LinearChoice()
+    """``exact`` (a target layer in half precision): a product whose rows round unlike a one-row F.linear is never
+    used, however fast -- not even while the two are timed."""
+    real_mm, real_linear = kernels._mm_t, F.linear
     weight, x = torch.randn(64, 16).bfloat16(), torch.randn(3, 16).bfloat16()
-    for _ in range(2 * kernels._TRIALS):
-        choice(x, weight, None)
-    assert choice.choice == {next(iter(choice.times)): False}
+    one_row = torch.cat([F.linear(x[i:i + 1], weight) for i in range(3)])
+    for wrong in ("mm", "linear"):
+        with monkeypatch.context() as m:  # the "faster" product is wrong in the bits
+            if wrong == "mm":
+                m.setattr(kernels, "_mm_t", lambda x, w, b: real_mm(x, w, b) * 1.01)
+            else:
+                m.setattr(F, "linear", lambda x, w, b=None: real_linear(x, w, b) * (1.01 if x.shape[0] > 1 else 1))
+            choice = kernels._LinearChoice()
+            for _ in range(2 * kernels._TRIALS):
+                assert torch.equal(choice(x, weight, None, exact=True), one_row)
+            assert list(choice.choice.values()) == [wrong == "linear"]
+
+
+@pytest.mark.parametrize("rows", [8, 33])
+def test_exact_products_round_as_one_row_on_this_cpu(rows):
+    """The real shapes of SmolLM2 in bf16: every row of every call equals plain decoding's one-row product (past 32
+    rows oneDNN's F.linear does not, on this project's CPU, and the transposed product is taken)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(1536, 576, generator=gen) / 24).bfloat16()
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    one_row = torch.cat([F.linear(x[i:i + 1], weight) for i in range(rows)])
+    choice = kernels._LinearChoice()
+    for _ in range(2 * kernels._TRIALS + 1):
+        assert torch.equal(choice(x, weight, None, exact=True), one_row)
