@@ -489,6 +489,7 @@ def padded_plain_decoding(model):
             out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
     """
     runner = runner_for(model, kernels=True)
-    kernels = VerifyKernels(model, choice=getattr(runner, "choice", None))
+    # no exact half-precision rounding: plain decoding's own attention and prefill (only its products change)
+    kernels = VerifyKernels(model, choice=getattr(runner, "choice", None), exact=False)
     with kernels, kernels.drafting():
         yield model

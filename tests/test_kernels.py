@@ -160,6 +160,21 @@ def test_padded_plain_decoding_is_plain_decoding():
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_padded_plain_decoding_in_bf16_keeps_plain_decodings_attention_and_prefill():
+    """bf16, the real model's head shape and a prompt of more than 32 tokens: the kernel-matched baseline changes the
+    one-row products only (bit-identical on this CPU), not the prefill or the attention, so its logits are plain
+    decoding's."""
+    from hf_specdec.kernels import padded_plain_decoding
+
+    model = tiny_model("llama", layers=2, hidden=576, num_attention_heads=9, num_key_value_heads=3).to(torch.bfloat16)
+    ids, mask = prompts(1, length=40, seed=3)
+    kw = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    plain = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    with padded_plain_decoding(model):
+        padded = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(plain.logits, padded.logits))
+
+
 # ---- half precision: one row's verification rounds as plain decoding's one-token steps (kernels._ExactRows)
 def _one_token_attention(query, key, value, allowed):
     """Plain decoding's own call for each query row: one query over its allowed keys, gathered in cache order."""
