@@ -128,54 +128,49 @@ class _ExactRows:
     In bf16 / fp16 a verification forward diverges from plain decoding unless every product rounds as in the
     one-token step: the CPU's flash-attention kernel gives a query different bits depending on how many query rows
     it processes together and on how many full vector widths (:attr:`lanes` keys) its key row spans; the linear
-    layers do not (the products are row-independent; :class:`_LinearChoice` checks it). So each query token runs as
+    layers do not (up to 32 rows the products are row-independent; :class:`_LinearChoice` checks it). So each query token runs as
     plain decoding runs it -- one query over exactly its own keys (``enable_gqa``, no repeated heads) -- with the
     tokens as rows of the batch dimension, one call per group of queries whose key counts share a vector count (a
     chain of 16 tokens: one or two calls per layer). A query whose keys are not a prefix of the cache (a branch of a
-    draft tree) gets its keys gathered into the order plain decoding would hold them in (``gather``).
+    draft tree) gets its keys gathered into the order plain decoding would hold them in.
 
     :attr:`lanes` is measured once per process, dtype and head shape (:func:`_exact_lanes`), not assumed. One per
     :class:`VerifyKernels`; the plan is computed once per forward (every layer gets the same mask).
     """
 
-    def __init__(self, gather: bool = True):
-        self.gather = gather
+    def __init__(self):
         self.last: tuple = (None, None)  # (mask, plan)
 
     def plan(self, attention_mask: torch.Tensor, lanes: int):
         """``[(rows [n], width, mask [n, 1, 1, width] or None, columns [n, width] or None)]`` for the query rows of
-        ``attention_mask [1, 1, q, K]``; ``None`` where the rows cannot be computed exactly (a branch, and
-        ``gather`` off)."""
+        ``attention_mask [1, 1, q, K]``."""
         if self.last[0] is attention_mask:
             return self.last[1]
         allowed = attention_mask[0, 0] == 0  # [q, K]
         counts = allowed.sum(1)  # [q]
         last = allowed.shape[1] - allowed.flip(1).to(torch.uint8).argmax(1)  # [q]: one past the last allowed key
         prefix = (last == counts).tolist()
-        if not all(prefix) and not self.gather:
-            plan = None
-        else:
-            plan = []
-            groups: dict[tuple, list[int]] = {}
-            for i, n in enumerate(counts.tolist()):
-                groups.setdefault((prefix[i], n // lanes), []).append(i)
-            for (is_prefix, _), rows in groups.items():
-                width = int(counts[rows].max())
-                index = torch.tensor(rows, device=attention_mask.device)
-                # consecutive rows (a chain): a slice, read and written without copies
-                where = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else index
-                columns = None
-                if is_prefix:
-                    ok = allowed[index, :width]  # [n, width]
-                else:  # the allowed keys of each row, in cache order (ancestors follow their parents), padded
-                    ok = torch.arange(width, device=index.device)[None] < counts[index][:, None]
-                    columns = torch.sort(torch.where(allowed[index], 0, 1), dim=1, stable=True).indices[:, :width]
-                    columns = columns.masked_fill(~ok, 0)
-                mask = None
-                if not bool(ok.all()):
-                    mask = torch.zeros(ok.shape, dtype=attention_mask.dtype, device=ok.device)
-                    mask = mask.masked_fill_(~ok, torch.finfo(attention_mask.dtype).min)[:, None, None, :]
-                plan.append((where, width, mask, columns))
+        plan = []
+        groups: dict[tuple, list[int]] = {}
+        for i, n in enumerate(counts.tolist()):
+            groups.setdefault((prefix[i], n // lanes), []).append(i)
+        for (is_prefix, _), rows in groups.items():
+            width = int(counts[rows].max())
+            index = torch.tensor(rows, device=attention_mask.device)
+            # consecutive rows (a chain): a slice, read and written without copies
+            where = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else index
+            columns = None
+            if is_prefix:
+                ok = allowed[index, :width]  # [n, width]
+            else:  # the allowed keys of each row, in cache order (ancestors follow their parents), padded
+                ok = torch.arange(width, device=index.device)[None] < counts[index][:, None]
+                columns = torch.sort(torch.where(allowed[index], 0, 1), dim=1, stable=True).indices[:, :width]
+                columns = columns.masked_fill(~ok, 0)
+            mask = None
+            if not bool(ok.all()):
+                mask = torch.zeros(ok.shape, dtype=attention_mask.dtype, device=ok.device)
+                mask = mask.masked_fill_(~ok, torch.finfo(attention_mask.dtype).min)[:, None, None, :]
+            plan.append((where, width, mask, columns))
         self.last = (attention_mask, plan)
         return plan
 
@@ -237,7 +232,7 @@ def _exact_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
         cases.append((query, k, v, ref.transpose(1, 2), mask[None, None]))
     lanes = 1
     for width in (16, 8, 32, 4):
-        if all(torch.equal(_exact_attention(query, k, v, _ExactRows(gather=False).plan(mask, width), None, groups),
+        if all(torch.equal(_exact_attention(query, k, v, _ExactRows().plan(mask, width), None, groups),
                            ref) for query, k, v, ref, mask in cases):
             lanes = width
             break
@@ -257,8 +252,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
             and attention_mask.dim() == 4 and not module.training
             and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux", "sinks"))):
         plan = exact.plan(attention_mask, _exact_lanes(query.dtype, query.shape[1], key.shape[1], query.shape[3]))
-        if plan is not None:
-            return _exact_attention(query, key, value, plan, scaling, groups), None
+        return _exact_attention(query, key, value, plan, scaling, groups), None
     plain = (
         groups <= 1 or q_len <= 1 or attention_mask is None or not isinstance(attention_mask, torch.Tensor)
         or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or module.training
