@@ -178,21 +178,23 @@ def _flags(r) -> str:
     return ", ".join(notes)
 
 
-def _outputs(r) -> str:
-    """``identical``, else ``MISMATCH`` in float32 and ``match 2/3`` (repeats identical) in half precision."""
-    if r["same"]:
+def _outputs(identical: bool, dtype: str, match: str) -> str:
+    """``identical``, else ``MISMATCH`` in float32 and ``match <match>`` (``2/3`` repeats, ``80%`` of the runs)
+    in half precision."""
+    if identical:
         return "identical"
-    return "MISMATCH" if r.get("dtype", "float32") == "float32" else f"match {r['matches']}/{r['repeats']}"
+    return "MISMATCH" if dtype == "float32" else f"match {match}"
 
 
 def _row_line(r, n_prompts) -> str:
     n = r["new_tokens"]
+    outputs = _outputs(r["same"], r.get("dtype", "float32"), f"{r['matches']}/{r['repeats']}")
     return (f"  [{r['kind']:4s} {r['prompt'] + 1}/{n_prompts}] {r['label']:16s} {n:4d} tokens  "
             f"plain {n / r['base_s']:5.1f} tok/s  {r['method']} {n / r['spec_s']:5.1f} tok/s  "
             f"speedup {r['speedup']:4.2f}x  "
             + (f"vs padded plain {r['vs_kernels']:4.2f}x  " if r["vs_kernels"] else "")
             + f"acceptance length {r['tau']:.2f} ({r['proposed_drafts']} drafts proposed, "
-            f"{r['accepted_drafts']} accepted)  {_outputs(r)}"
+            f"{r['accepted_drafts']} accepted)  {outputs}"
             + (f"  [{_flags(r)}]" if _flags(r) else ""))
 
 
@@ -226,13 +228,6 @@ def _summarize(rows, chosen, cpu: bool) -> dict:
     return summary
 
 
-def _summary_outputs(s) -> str:
-    """As :func:`_outputs`, for a summary row: ``match 80%`` (runs identical) in half precision."""
-    if s["identical"]:
-        return "identical"
-    return "MISMATCH" if s.get("dtype", "float32") == "float32" else f"match {s['match_rate']:.0%}"
-
-
 def _print_summary(summary, chosen, repeats) -> None:
     print()
     print(f"{'method':16s} {'prompts':8s} {'plain tok/s':>12s} {'tok/s':>8s} {'speedup':>8s} {'vs padded plain':>15s} "
@@ -241,9 +236,10 @@ def _print_summary(summary, chosen, repeats) -> None:
         vs = f"{s['vs_kernels']:14.2f}x" if s["vs_kernels"] else f"{'-':>15s}"
         flags = ", ".join(([f"noisy: {s['spread']:.0%}"] if s["noisy"] else [])
                           + (["disturbed"] if s["disturbed"] else []))
+        outputs = _outputs(s["identical"], s.get("dtype", "float32"), f"{s['match_rate']:.0%}")
         print(f"{_label(name, chosen[name]):16s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
               f"{s['speedup']:7.2f}x {vs} {s['tau']:10.2f} {s['proposed_drafts']:9d} {s['accepted_drafts']:9d}  "
-              f"{_summary_outputs(s):9s}  {flags}")
+              f"{outputs:9s}  {flags}")
     print(f"times: the median of the {repeats} interleaved repeats of each prompt; speedup: over stock generate()"
           + ("; vs padded plain: over plain greedy decoding that uses the same CPU kernel trick as the speculative "
              "loop (one row computed as two), i.e. speculation's own share"

@@ -677,14 +677,10 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                 accepted_drafts=(sum(r["stats"]["accepted_drafts"] for r in mine)
                                  if all(r.get("stats") for r in mine) else None),
             ))
-            kernel_pairs = [(g["plain_kernels"], g[m]) for (d, _), g in by_prompt.items()
-                            if d == ds and m in g and "plain_kernels" in g]
-            if kernel_pairs:
-                rows[-1]["speedup_vs_kernels"] = statistics.median(k["seconds"] / r["seconds"] for k, r in kernel_pairs)
-            fp32_pairs = [(g[FP32_BASELINE], g[m]) for (d, _), g in by_prompt.items()
-                          if d == ds and m in g and FP32_BASELINE in g]
-            if fp32_pairs:
-                rows[-1]["speedup_vs_fp32"] = statistics.median(f["seconds"] / r["seconds"] for f, r in fp32_pairs)
+            for base, key in (("plain_kernels", "speedup_vs_kernels"), (FP32_BASELINE, "speedup_vs_fp32")):
+                pairs = [(g[base], g[m]) for (d, _), g in by_prompt.items() if d == ds and m in g and base in g]
+                if pairs:  # the median per-prompt ratio against that baseline
+                    rows[-1][key] = statistics.median(b["seconds"] / r["seconds"] for b, r in pairs)
             if half:
                 rows[-1]["match_rate"] = sum(r["identical"] for r in mine) / len(mine)
     return rows
