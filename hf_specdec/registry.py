@@ -28,6 +28,7 @@ import collections
 import functools
 import importlib
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,16 +250,23 @@ class UnknownMethodError(ValueError):
 
 # ------------------------------------------------------------------------------------------------------- records
 _METHODS: dict[str, Method] = {}
-_BUILTIN: list[str] = []  # names of the built-in methods, once loaded
+_BUILTIN: tuple[str, ...] = ()  # names of the built-in methods: empty until every record is in _METHODS
+_LOCK = threading.RLock()  # around every change of _METHODS (re-entrant: a module imported under it may register)
 
 
 def _load_builtin() -> None:
+    """Fill the registry with the built-in records, once; threads that come meanwhile wait for it to be full (the
+    names are published last, so the lock-free check never sees a half-filled registry)."""
+    global _BUILTIN
     if _BUILTIN:
         return
-    for module in BUILTIN_MODULES:
-        record = importlib.import_module(f"hf_specdec.proposers.{module}").METHOD
-        _BUILTIN.append(record.name)
-        _METHODS.setdefault(record.name, record)
+    with _LOCK:
+        if _BUILTIN:
+            return
+        records = [importlib.import_module(f"hf_specdec.proposers.{module}").METHOD for module in BUILTIN_MODULES]
+        for record in records:
+            _METHODS.setdefault(record.name, record)
+        _BUILTIN = tuple(record.name for record in records)
 
 
 def builtin_methods() -> list[str]:
@@ -270,20 +278,23 @@ def builtin_methods() -> list[str]:
 def register(method: Method, replace: bool = False) -> Method:
     """Add ``method`` to the registry (``replace=True`` to replace a record of the same name)."""
     _load_builtin()
-    if method.name in _METHODS and not replace:
-        raise ValueError(f"A method named {method.name!r} is already registered (pass replace=True to replace it).")
-    taken = {s: m.name for m in _METHODS.values() if m.name != method.name for s in m.shorthands}
-    clash = [s for s in method.shorthands if s in taken or (s in _METHODS and s != method.name)]
-    if clash:
-        raise ValueError(f"Method {method.name!r}: the names {clash} are already used by other methods.")
-    _METHODS[method.name] = method
+    with _LOCK:
+        if method.name in _METHODS and not replace:
+            raise ValueError(f"A method named {method.name!r} is already registered (pass replace=True to replace "
+                             "it).")
+        taken = {s: m.name for m in _METHODS.values() if m.name != method.name for s in m.shorthands}
+        clash = [s for s in method.shorthands if s in taken or (s in _METHODS and s != method.name)]
+        if clash:
+            raise ValueError(f"Method {method.name!r}: the names {clash} are already used by other methods.")
+        _METHODS[method.name] = method
     return method
 
 
 def unregister(name: str) -> None:
     """Remove the method ``name`` (a no-op when it is not registered)."""
     _load_builtin()
-    _METHODS.pop(name, None)
+    with _LOCK:
+        _METHODS.pop(name, None)
 
 
 def methods() -> list[Method]:
@@ -300,10 +311,11 @@ def available_methods() -> list[str]:
 def get(name: str) -> Method:
     """The record of ``name``; an unknown name raises ``ValueError`` listing the registered methods."""
     _load_builtin()
-    if name not in _METHODS:
+    record = _METHODS.get(name)  # one read: a concurrent unregister() cannot slip between a check and the read
+    if record is None:
         raise UnknownMethodError(f"Unknown speculative decoding method {name!r}. "
                                  f"Available: {', '.join(available_methods())}.")
-    return _METHODS[name]
+    return record
 
 
 def all_option_names() -> list[str]:
@@ -407,8 +419,12 @@ def _default_drafter(record: Method, target):
 
     target_id = identity.identify(target)
     folder = shipped_drafter(record, target_id) if target_id is not None else None
-    if folder is not None and (record.name, target_id) not in _SAID_SHIPPED:
+    if folder is None:
+        return None
+    with _LOCK:  # said once, also when threads start at once
+        first = (record.name, target_id) not in _SAID_SHIPPED
         _SAID_SHIPPED.add((record.name, target_id))
+    if first:
         identity.logger.warning(f"hf_specdec: {record.name} uses the drafter shipped for {target_id} "
                                 f"({SHIPPED_PREFIX}{folder.name}); pass drafter= to use another.")
     return folder
@@ -416,31 +432,58 @@ def _default_drafter(record: Method, target):
 
 class _DrafterCache:
     """The last few drafters loaded from a path or Hub id, keyed by method, source, target, dtype and device (and a
-    local folder's file times, so that a folder rewritten in place is read again)."""
+    local folder's file times, so that a folder rewritten in place is read again).
+
+    Safe across threads: threads asking for the same key at once load it once (:meth:`get_or_load`; the others
+    wait for that load), different keys load side by side."""
 
     def __init__(self, size: int = 4):
         self.size = size
         self.entries: collections.OrderedDict = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.loading: dict = {}  # key -> the lock its loader holds while it loads
 
     def get(self, key, target):
-        entry = self.entries.get(key)
-        if entry is None or entry[0]() is not target:
-            return None
-        self.entries.move_to_end(key)
-        return entry[1]
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None or entry[0]() is not target:
+                return None
+            self.entries.move_to_end(key)
+            return entry[1]
 
     def put(self, key, target, drafter) -> None:
         try:
             ref = weakref.ref(target)
         except TypeError:
             return
-        self.entries[key] = (ref, drafter)
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        with self.lock:
+            self.entries[key] = (ref, drafter)
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
+
+    def get_or_load(self, key, target, load: Callable[[], Any]):
+        """The cached drafter of ``key`` for ``target``, else ``load()``'s, cached."""
+        module = self.get(key, target)
+        if module is not None:
+            return module
+        with self.lock:
+            loading = self.loading.setdefault(key, threading.Lock())
+        try:
+            with loading:  # a second thread with this key waits here, then finds the first one's drafter
+                module = self.get(key, target)
+                if module is None:
+                    module = load()
+                    self.put(key, target, module)
+                return module
+        finally:
+            with self.lock:
+                if self.loading.get(key) is loading:
+                    del self.loading[key]
 
     def clear(self) -> None:
-        self.entries.clear()
+        with self.lock:
+            self.entries.clear()
 
 
 DRAFTER_CACHE = _DrafterCache()
@@ -476,10 +519,7 @@ def load_drafter(method: str | Method, drafter, target, options: dict | None = N
     elif isinstance(drafter, (str, os.PathLike)):
         drafter = drafter_source(drafter)
         key = (record.name, _source_key(drafter), id(target), str(target.dtype), str(target.device))
-        module = DRAFTER_CACHE.get(key, target)
-        if module is None:
-            module = spec.load(drafter, target)
-            DRAFTER_CACHE.put(key, target, module)
+        module = DRAFTER_CACHE.get_or_load(key, target, functools.partial(spec.load, drafter, target))
     else:
         raise TypeError(f"drafter must be {spec.doc} or a path / Hub repo id, got {type(drafter).__name__}.")
     if spec.check is not None:
