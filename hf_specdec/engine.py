@@ -21,6 +21,8 @@ streaming) is :class:`~hf_specdec.rows.RowBook`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +38,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from . import cache as cache_ops
 from .proposers.base import Proposer
 from .rows import RowBook, Stopper
-from .runners import TargetRunner, runner_for
+from .runners import TargetRunner, call_lock, runner_for
 from .state import DecodingState
 from .tree import DraftTree
 from .verify import AcceptResult, accept
@@ -148,6 +150,22 @@ def _check_inputs(model, input_ids, attention_mask, generation_config, logits_pr
             )
 
 
+def _one_call_at_a_time(decode):
+    """``decode`` holding :func:`~hf_specdec.runners.call_lock` of its model and of its proposer for the whole call:
+    calls on the same model (or with the same proposer object) from several threads run one after the other, each
+    with its own correct output; calls on different models run side by side. Taken once per call, never per step."""
+    signature = inspect.signature(decode)
+
+    @functools.wraps(decode)
+    def locked(*args, **kwargs):
+        given = signature.bind(*args, **kwargs).arguments
+        with call_lock(given["model"]), call_lock(given["proposer"]):
+            return decode(*args, **kwargs)
+
+    return locked
+
+
+@_one_call_at_a_time
 def speculative_decode(
     model,
     input_ids: torch.LongTensor,

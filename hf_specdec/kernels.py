@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 import time
 
 import torch
@@ -207,6 +208,7 @@ def _exact_attention(query, key, value, plan, scaling, groups: int) -> torch.Ten
 
 
 _LANES: dict[tuple, int] = {}
+_LANES_LOCK = threading.Lock()
 
 
 def _exact_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> int:
@@ -214,8 +216,16 @@ def _exact_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
     call (masked to each one's keys) as from their own one-query calls; 1 (every query alone) when no width does.
     Measured once per process on random inputs: it depends on the CPU's vector width and the kernel's blocking."""
     key_ = (dtype, heads, kv_heads, head_dim)
-    if key_ in _LANES:
-        return _LANES[key_]
+    lanes = _LANES.get(key_)
+    if lanes is None:
+        with _LANES_LOCK:  # once: threads that come meanwhile wait for the measurement
+            if key_ not in _LANES:
+                _LANES[key_] = _measure_lanes(dtype, heads, kv_heads, head_dim)
+        lanes = _LANES[key_]
+    return lanes
+
+
+def _measure_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> int:
     gen = torch.Generator().manual_seed(0)
     trials = [(int(torch.randint(1, 700, (1,), generator=gen)), int(torch.randint(2, 17, (1,), generator=gen)))
               for _ in range(24)]
@@ -236,7 +246,6 @@ def _exact_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
                            ref) for query, k, v, ref, mask in cases):
             lanes = width
             break
-    _LANES[key_] = lanes
     return lanes
 
 
@@ -272,21 +281,36 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     return out.reshape(bsz, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def _register_attention(mask_repeats: _MaskRepeats, exact: _ExactRows | None = None) -> bool:
-    """Register the packed attention (reading ``mask_repeats`` and ``exact``) under :data:`ATTN_NAME` with
-    transformers."""
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    except ImportError:  # pragma: no cover - older transformers
-        return False
+_THREAD = threading.local()  # .kernels: the VerifyKernels this thread is inside (None: none)
+_ATTENTION: dict = {}  # "interface": transformers' attention functions, once ATTN_NAME is registered
+_ATTENTION_LOCK = threading.Lock()
 
-    def attention(*args, **kwargs):
-        return _packed_sdpa(*args, mask_repeats=mask_repeats, exact=exact, **kwargs)
 
-    AttentionInterface.register(ATTN_NAME, attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+def _register_attention() -> bool:
+    """Register :func:`_switched_attention` under :data:`ATTN_NAME` with transformers (once per process)."""
+    if _ATTENTION:
+        return True
+    with _ATTENTION_LOCK:
+        if not _ATTENTION:
+            try:
+                from transformers import AttentionInterface
+                from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+            except ImportError:  # pragma: no cover - older transformers
+                return False
+            ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
+            AttentionInterface.register(ATTN_NAME, _switched_attention)
+            _ATTENTION["interface"] = AttentionInterface()
     return True
+
+
+def _switched_attention(module, *args, **kwargs):
+    """The attention of a layer whose config a :class:`VerifyKernels` switched to :data:`ATTN_NAME`: that
+    VerifyKernels' packed (or exact) attention in the thread it runs in; in any other thread (a plain ``generate()``
+    of the same model meanwhile) transformers' own ``sdpa``, so that the switch changes nothing there."""
+    kernels = getattr(_THREAD, "kernels", None)
+    if kernels is None or id(getattr(module, "config", None)) not in kernels.config_ids:
+        return _ATTENTION["interface"]["sdpa"](module, *args, **kwargs)
+    return _packed_sdpa(module, *args, mask_repeats=kernels.mask_repeats, exact=kernels.exact, **kwargs)
 
 
 class VerifyKernels:
@@ -327,11 +351,16 @@ class VerifyKernels:
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
         self.configs: list = []
+        self.config_ids: set[int] = set()  # of self.configs: the layers _switched_attention runs our attention for
+        self.thread: int | None = None  # the thread that installed the kernels: the only one whose forwards use them
+        self.outer = None  # the VerifyKernels this thread was inside before (restored at exit)
         self.enabled = enabled and device_type_of(model) == "cpu"
 
     def __enter__(self) -> "VerifyKernels":
         if not self.enabled:
             return self
+        self.thread = threading.get_ident()
+        self.outer, _THREAD.kernels = getattr(_THREAD, "kernels", None), self
         for module in plain_cpu_linears(self.model):
             module.forward = self._linear_forward(module)
             self.linears.append(module)
@@ -339,13 +368,12 @@ class VerifyKernels:
             for module in plain_cpu_linears(drafter):  # skips the target's (already replaced) shared layers
                 module.forward = self._linear_forward(module, always=True)
                 self.linears.append(module)
-        if _register_attention(self.mask_repeats, self.exact):
-            seen = set()
+        if _register_attention():
             for module in self.model.modules():
                 config = getattr(module, "config", None)
-                if (hasattr(module, "num_key_value_groups") and config is not None and id(config) not in seen
+                if (hasattr(module, "num_key_value_groups") and config is not None and id(config) not in self.config_ids
                         and getattr(config, "_attn_implementation", None) == "sdpa"):
-                    seen.add(id(config))
+                    self.config_ids.add(id(config))
                     self.configs.append(config)
         return self
 
@@ -354,10 +382,15 @@ class VerifyKernels:
             module.__dict__.pop("forward", None)
         self.linears = []
         self.configs = []
+        self.config_ids = set()
+        if self.thread is not None:
+            _THREAD.kernels, self.outer, self.thread = self.outer, None, None
 
     def _linear_forward(self, module: torch.nn.Linear, always: bool = False):
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight
+            if threading.get_ident() != self.thread:  # another thread's forward (a plain generate() meanwhile)
+                return F.linear(x, weight, module.bias)
             rows = x.numel() // weight.shape[1] if x.dim() else 0
             any_rows = always or self.drafting_now  # drafting: one row too (padded to two)
             if (not (any_rows or self.active) or rows < (1 if any_rows else 2)

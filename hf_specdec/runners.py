@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 
@@ -248,6 +249,25 @@ def device_type_of(model) -> str:
 
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {runner name: runner}
+_CALL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model or proposer -> its call_lock
+_LOCK = threading.Lock()  # around every look-up-or-fill of _RUNNERS and _CALL_LOCKS (once per call, never per step)
+
+
+def call_lock(obj) -> threading.RLock:
+    """The lock a decoding call holds on its target model (and its proposer) from start to end
+    (:func:`hf_specdec.engine.speculative_decode`): two calls on the same model in two threads run one after the
+    other, each with its own output, because a call edits what belongs to the model for its duration (the kernels it
+    installs, the attention it switches, the runner's measured costs). Re-entrant: a call made inside a call of the
+    same thread (a drafter that decodes with the loop itself) does not wait for itself. An object that cannot be
+    weakly referenced gets a fresh lock (nothing to share)."""
+    with _LOCK:
+        try:
+            lock = _CALL_LOCKS.get(obj)
+            if lock is None:
+                lock = _CALL_LOCKS[obj] = threading.RLock()
+        except TypeError:
+            return threading.RLock()
+    return lock
 
 
 def runner_for(model, kernels: bool | None = None) -> TargetRunner:
@@ -260,10 +280,11 @@ def runner_for(model, kernels: bool | None = None) -> TargetRunner:
     if kernels is None:
         kernels = os.environ.get(KERNELS_ENV, "1") != "0"
     cls = CpuKernelRunner if kernels and CpuKernelRunner.applies_to(model) else TargetRunner
-    try:
-        per_model = _RUNNERS.setdefault(model, {})
-    except TypeError:  # not weak-referenceable: a fresh runner per call
-        return cls(model)
-    if cls.name not in per_model:
-        per_model[cls.name] = cls(model)
-    return per_model[cls.name]
+    with _LOCK:  # WeakKeyDictionary.setdefault and the check-then-fill below are not atomic: one runner per model
+        try:
+            per_model = _RUNNERS.setdefault(model, {})
+        except TypeError:  # not weak-referenceable: a fresh runner per call
+            return cls(model)
+        if cls.name not in per_model:
+            per_model[cls.name] = cls(model)
+        return per_model[cls.name]
