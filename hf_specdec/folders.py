@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import threading
 from pathlib import Path
 
 from . import registry
@@ -119,8 +120,22 @@ def write(method: str | registry.Method, folder: str | os.PathLike) -> Path:
         if path.is_file() and path.read_text() == text:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_file(path, text)
     return folder
+
+
+def write_file(path: Path, data: str | bytes) -> None:
+    """Write ``path`` so that a reader (another thread or process: transformers loading ``generate.py``) sees its
+    old content or the new one, never a part: written beside it under a name of this thread's, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def custom_generate_path(method: str) -> str:

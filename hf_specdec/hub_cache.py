@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+import threading
 from pathlib import Path
 
 from .entry import available_methods, custom_generate_path
+from .folders import write_file
 
 DEFAULT_ORG = "hf_specdec"
 
@@ -33,7 +34,10 @@ def write_cached_repo(cache_dir: str | os.PathLike, repo_id: str, files: dict[st
                       repo_type: str = "model") -> Path:
     """Write ``files`` as one revision of ``repo_id`` in a Hub cache, in huggingface_hub's layout
     (``models--org--name/{blobs,snapshots/<commit>,refs/main}``); the commit hash is derived from the files.
-    Returns the snapshot folder. Used to install the method folders, and by tests to stage published layouts."""
+    Returns the snapshot folder. Used to install the method folders, and by tests to stage published layouts.
+
+    Every file and link is written beside its place and renamed onto it: a reader (transformers resolving the
+    repository) or a second writer at the same time never sees a part of one."""
     digest = hashlib.sha1()
     for name, data in sorted(files.items()):
         digest.update(name.encode() + b"\0" + data)
@@ -44,17 +48,18 @@ def write_cached_repo(cache_dir: str | os.PathLike, repo_id: str, files: dict[st
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)
         if not blob.exists():
-            blob.write_bytes(data)
+            write_file(blob, data)
         target = snapshot / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists() or target.is_symlink():
-            target.unlink()
+        link = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.link")
         try:
-            target.symlink_to(os.path.relpath(blob, target.parent))
+            link.symlink_to(os.path.relpath(blob, target.parent))
+            os.replace(link, target)
         except OSError:  # filesystems without symlinks
-            shutil.copyfile(blob, target)
+            link.unlink(missing_ok=True)
+            write_file(target, data)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)
+    write_file(repo / "refs" / "main", commit)
     return snapshot
 
 

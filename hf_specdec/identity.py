@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 
 from .default_model import MODEL_ID as SMOLLM2
@@ -38,8 +39,17 @@ KNOWN_TARGETS = {
     },
 }
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
-_HASHES: dict[tuple[str, float], str | None] = {}
+_HASHES: dict[tuple[str, float], str | None] = {}  # filled with whole values only: safe without a lock
 _WARNED: set[tuple[str, str]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def _first_warning(key: tuple[str, str]) -> bool:
+    """Whether ``key`` was not warned about yet (and now is: one thread of many gets ``True``)."""
+    with _WARNED_LOCK:
+        first = key not in _WARNED
+        _WARNED.add(key)
+    return first
 
 
 def _text_config(config):
@@ -75,10 +85,10 @@ def vocabulary_hash(folder: str | os.PathLike | None) -> str | None:
 
 
 def model_folder(model) -> Path | None:
-    """The folder ``model`` was loaded from (``config._name_or_path``): a local folder, or a Hub id's snapshot in the
+    """The folder ``model`` was loaded from (``config.name_or_path``): a local folder, or a Hub id's snapshot in the
     local cache (never downloaded); ``None`` when unknown."""
     config = getattr(model, "config", model)
-    name = getattr(config, "_name_or_path", None) or getattr(config, "name_or_path", None)
+    name = getattr(config, "name_or_path", None)
     if not name:
         return None
     if Path(name).is_dir():
@@ -133,7 +143,7 @@ def check_same_tokenizer(target, drafter, what: str = "drafter") -> None:
     vocab_size = getattr(_text_config(target.config), "vocab_size", None)
     t_bos, t_eos = special_ids(target)
     d_bos, d_eos = special_ids(drafter)
-    label = getattr(drafter.config, "_name_or_path", "") or type(drafter).__name__
+    label = getattr(drafter.config, "name_or_path", "") or type(drafter).__name__
     fix = ("Use a drafter trained with the target's tokenizer (e.g. `hf-specdec train draft`), or transformers' "
            "universal assisted decoding (assistant_model= with tokenizer= and assistant_tokenizer=, without "
            "custom_generate).")
@@ -151,14 +161,11 @@ def check_same_tokenizer(target, drafter, what: str = "drafter") -> None:
     if d_hash is not None and t_hash is not None and d_hash != t_hash:
         raise ValueError(f"The {what} ({label}) was saved with another tokenizer than the target's (vocabulary hash "
                          f"{d_hash} vs {t_hash}), although the vocabulary sizes match. " + fix)
-    key = (label, str(getattr(target.config, "_name_or_path", "")))
-    if key in _WARNED:
-        return
+    key = (label, str(getattr(target.config, "name_or_path", "")))
     if differ:
-        _WARNED.add(key)
-        logger.warning(f"hf_specdec: the {what} ({label}) has another {differ[0]}; check it uses the target's "
-                       "tokenizer (the output stays lossless, but drafts of another tokenizer are rejected).")
-    elif not (d_bos or d_eos) and d_hash is None:
-        _WARNED.add(key)
+        if _first_warning(key):
+            logger.warning(f"hf_specdec: the {what} ({label}) has another {differ[0]}; check it uses the target's "
+                           "tokenizer (the output stays lossless, but drafts of another tokenizer are rejected).")
+    elif not (d_bos or d_eos) and d_hash is None and _first_warning(key):
         logger.warning(f"hf_specdec: cannot confirm that the {what} ({label}) uses the target's tokenizer (it carries "
                        "no special token ids and no tokenizer); the output stays lossless either way.")

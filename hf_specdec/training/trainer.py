@@ -16,6 +16,7 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,9 @@ from typing import Callable
 
 import torch
 
-_PROCESSES = 1  # the data-parallel processes of the running train() (see mean_denominator)
+_PROCESSES = 1  # the data-parallel processes of the running train() calls (see mean_denominator)
+_RUNNING = 0  # train() calls running in this process (threads): the last one to end sets _PROCESSES back to 1
+_RUNNING_LOCK = threading.Lock()
 
 
 def mean_denominator(count: torch.Tensor, floor: float | None = 1) -> torch.Tensor:
@@ -119,7 +122,7 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
     logged metrics (means over the processes). Under ``accelerate launch``, ``config.batch_size`` is per process;
     ``loss_fn`` should normalise with :func:`mean_denominator` for the result not to depend on the process count.
     """
-    global _PROCESSES
+    global _PROCESSES, _RUNNING
     from accelerate import Accelerator, DistributedType
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -135,11 +138,17 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
     if sharded:
         raise ValueError("FSDP and DeepSpeed ZeRO-3 shard the weights being trained, which the saved models need "
                          "whole: use DDP or DeepSpeed ZeRO-1/2.")
-    _PROCESSES = accelerator.num_processes
+    # the process count is the process's (Accelerate's state is one per process): calls in several threads share it
+    with _RUNNING_LOCK:
+        _RUNNING += 1
+        _PROCESSES = accelerator.num_processes
     try:
         return _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress)
     finally:
-        _PROCESSES = 1
+        with _RUNNING_LOCK:
+            _RUNNING -= 1
+            if not _RUNNING:
+                _PROCESSES = 1
 
 
 def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress):
