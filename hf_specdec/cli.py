@@ -14,6 +14,8 @@ Conventions shared by every subcommand:
 
 Example::
 
+    $ hf-specdec demo
+    $ hf-specdec demo --thorough
     $ hf-specdec demo --methods prompt_lookup,eagle3 --repeats 3
     $ hf-specdec bench --limit 5 --methods plain_kernels,prompt_lookup --background-load both
     $ hf-specdec --version
@@ -159,7 +161,7 @@ def _demo(args) -> int:
 
     given = {flag: getattr(args, flag) for flag, _ in _drafter_methods() if getattr(args, flag, None)}
     summary, rows = run_demo(max_new_tokens=args.max_new_tokens, methods=args.methods, repeats=args.repeats,
-                             dtype=args.dtype, **given)
+                             dtype=args.dtype, thorough=args.thorough, **given)
     # only float32 is token-identical by construction: in half precision a mismatch is the reported match rate
     return 1 if any(not r["same"] and r["dtype"] == "float32" for r in rows) else 0
 
@@ -273,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.data import DATASETS
     from .bench.harness import BACKGROUND_LOAD_MODES, BASELINES
 
+    from .demo import QUICK_METHODS, THOROUGH_REPEATS, demo_prompts
     names = registry.available_methods()
     drafter_methods = _drafter_methods()
     bench_names = list(dict.fromkeys(n for m in registry.methods() for n in (m.name, *(
@@ -296,14 +299,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_methods)
 
     p = add("demo", "speculative vs plain generation on SmolLM2-135M-Instruct: checks the outputs are identical and "
-                    "prints tokens/s, acceptance length and the speedup")
+                    "prints tokens/s, acceptance length and the speedup. By default a quick run (a few minutes on 2 "
+                    "cores): " + ", ".join(QUICK_METHODS) + " on a copy prompt and a word problem, once each; "
+                    "--thorough runs every method on every prompt with repeats")
+    p.add_argument("--thorough", action="store_true",
+                   help=f"every method the default model has a drafter for, on all {len(demo_prompts())} demo prompts, "
+                        f"{THOROUGH_REPEATS} interleaved repeats each with noisy / disturbed marks (20-48 minutes on "
+                        "2 cores)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
     p.add_argument("--methods", type=_method_list, default=None, metavar="M1,M2",
-                   help=f"methods to run, {method_list_help} (default: every one the default model has a drafter "
-                        "for)")
-    p.add_argument("--repeats", type=_positive_int, default=3,
+                   help=f"methods to run, {method_list_help} (default: {','.join(QUICK_METHODS)}; with --thorough "
+                        "every one the default model has a drafter for)")
+    p.add_argument("--repeats", type=_positive_int, default=None,
                    help="timed runs of each prompt per method, interleaved (plain, m1, m2, ..., plain, m1, ...); "
-                        "the median is reported and a spread over 25%% across them is flagged")
+                        "the median is reported and a spread over 25%% across them is flagged (default: 1; "
+                        f"{THOROUGH_REPEATS} with --thorough)")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help=f"the model's dtype (drafters follow it; {HALF_HELP}); {CPU_HELP}")
     for flag, method in drafter_methods:

@@ -1,19 +1,26 @@
 """``hf-specdec demo``: speculative generation with the embedded default model, outputs checked, speedup printed.
 
-Every timed generation is repeated (``repeats``, 3 by default) and the repeats are interleaved: for each prompt,
-plain greedy ``generate()``, the kernel-matched plain loop (on a CPU), then every method, and again, so that a busy
-moment of a shared machine falls on all of them. Each row reports the median over its repeats, and is flagged when
-it cannot be trusted:
+Two sizes. By default (the quick demo) a few methods (:data:`QUICK_METHODS`: prompt lookup, EAGLE-3 and DFlash with
+their shipped drafters) run on two prompts (:data:`QUICK_PROMPTS`: one that copies from its prompt, one word
+problem), each generation once: the first comparison is printed within a minute of loading, the whole run takes a
+few minutes on a 2-core CPU. ``thorough=True`` (``hf-specdec demo --thorough``) runs every method the default model
+has a drafter for on every demo prompt, :data:`THOROUGH_REPEATS` times each. ``methods`` and ``repeats`` change
+either.
+
+The repeats are interleaved: for each prompt, plain greedy ``generate()``, the kernel-matched plain loop (on a CPU),
+then every method, and again, so that a busy moment of a shared machine falls on all of them. Each row (one prompt,
+one method) is printed as soon as its last repeat has run and reports the median over its repeats, flagged when it
+cannot be trusted:
 
 * ``noisy: N%`` -- the speedup's spread across the repeats, ``(max - min) / median``, is over
-  :data:`NOISY_SPREAD` (25 %): the machine was busy;
+  :data:`NOISY_SPREAD` (25 %): the machine was busy (needs 2 or more repeats);
 * ``disturbed`` -- the figure is impossible: speculation commits ``tau`` tokens per target forward, and a
   verification forward costs at least one step of the kernel-matched plain loop, so its speedup over that loop
   cannot exceed ``tau``; above ``tau`` x :data:`TAU_MARGIN` (or above :data:`FLAT_SPEEDUP` while ``tau`` is
   about 1) the plain runs were slowed by something else.
 
-Before the timed runs the demo prints how long they will take (from one full plain generation), and it prints a
-line as each round and each row finishes. Every output is checked token for token against plain greedy decoding.
+With several repeats the demo prints how long the timed runs will take (from one full plain generation) before them,
+and a line as each round finishes. Every output is checked token for token against plain greedy decoding.
 
 ``dtype`` (``hf-specdec demo --dtype bfloat16``): the model runs in it (:func:`~hf_specdec.dtypes.resolve_dtype`:
 float32 on a CPU without fast kernels for it) and the drafters follow it. In half precision an output is identical
@@ -24,10 +31,12 @@ Example::
 
     from hf_specdec.demo import run_demo
 
-    summary, rows = run_demo(max_new_tokens=32, methods=["prompt_lookup"], repeats=3)
-    summary["prompt_lookup", "copy"]["speedup"], rows[0]["proposed_drafts"], rows[0]["noisy"]
+    summary, rows = run_demo()  # the quick demo
+    summary["prompt_lookup", "copy"]["speedup"], rows[0]["proposed_drafts"], rows[0]["same"]
+    summary, rows = run_demo(max_new_tokens=32, methods=["prompt_lookup"], repeats=3, thorough=True)
+    rows[0]["noisy"]
     summary, rows = run_demo(max_new_tokens=32, methods=["eagle3"], dtype="bfloat16")  # eagle3's drafter in bf16 too
-    summary["eagle3", "chat"]["match_rate"], rows[0]["matches"]
+    summary["eagle3", "math"]["match_rate"], rows[0]["matches"]
 """
 
 from __future__ import annotations
@@ -49,6 +58,9 @@ NOISY_SPREAD = 0.25  # (max - min) / median of a row's speedups across repeats a
 TAU_MARGIN = 1.5  # a speedup over the kernel-matched plain loop above tau x this is impossible: "disturbed"
 FLAT_TAU, FLAT_SPEEDUP = 1.05, 1.3  # tau about 1 (almost no draft accepted), yet this much faster: "disturbed"
 HALF_NOTE = "half precision: outputs identical to plain decoding up to rounding; match rate reported"
+QUICK_METHODS = ("prompt_lookup", "eagle3", "dflash")  # the default demo: a drafter-free method and two drafters
+QUICK_PROMPTS = (1, 4)  # indices in demo_prompts(): the paragraph to repeat, the word problem
+THOROUGH_REPEATS = 3  # --thorough: repeats per generation, for the medians and the noise marks
 
 _NEWS = (
     "The Bureau of Meteorology said a cold front would cross the state on Sunday, bringing strong winds and "
@@ -240,7 +252,8 @@ def _print_summary(summary, chosen, repeats) -> None:
         print(f"{_label(name, chosen[name]):16s} {kind:8s} {s['plain_tokens_per_s']:12.1f} {s['tokens_per_s']:8.1f} "
               f"{s['speedup']:7.2f}x {vs} {s['tau']:10.2f} {s['proposed_drafts']:9d} {s['accepted_drafts']:9d}  "
               f"{outputs:9s}  {flags}")
-    print(f"times: the median of the {repeats} interleaved repeats of each prompt; speedup: over stock generate()"
+    print(("times: one run of each prompt" if repeats == 1 else
+           f"times: the median of the {repeats} interleaved repeats of each prompt") + "; speedup: over stock generate()"
           + ("; vs padded plain: over plain greedy decoding that uses the same CPU kernel trick as the speculative "
              "loop (one row computed as two), i.e. speculation's own share"
              if any(s["vs_kernels"] for s in summary.values()) else "")
@@ -255,9 +268,24 @@ def _print_summary(summary, chosen, repeats) -> None:
               "disturbed (something slowed the plain runs), this is not a clean number")
 
 
-def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int = 3, verbose: bool = True,
-             drafters: dict | None = None, dtype: str | torch.dtype = "float32", **by_flag):
-    """Run plain greedy and every available method on the demo prompts; return ``(summary, rows)``.
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'s' if n != 1 else ''}"
+
+
+def _thorough_count(model) -> int:
+    """How many methods ``--thorough`` runs on ``model``: those without a drafter or with one shipped for it."""
+    return sum(m.drafter is None or not m.drafter.required or registry.shipped_drafter(m, model) is not None
+               for m in registry.methods())
+
+
+def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int | None = None,
+             verbose: bool = True, drafters: dict | None = None, dtype: str | torch.dtype = "float32",
+             thorough: bool = False, **by_flag):
+    """Run plain greedy decoding and speculative methods on the demo prompts; return ``(summary, rows)``.
+
+    By default the quick demo: :data:`QUICK_METHODS` on the prompts :data:`QUICK_PROMPTS`, one run each.
+    ``thorough``: every available method on every prompt of :func:`demo_prompts`, :data:`THOROUGH_REPEATS` runs
+    each. ``methods`` / ``repeats`` replace either choice.
 
     Each generation runs ``repeats`` times, interleaved (plain, kernel-matched plain, m1, m2, ..., plain, ...), and
     each row (one prompt, one method) reports the medians: ``speedup`` over stock ``generate()``, ``vs_kernels``
@@ -272,12 +300,13 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     decoding runs in it too). In half precision ``same`` is informative: identical up to rounding.
 
     Example:
-        >>> summary, rows = run_demo(max_new_tokens=8, methods=["prompt_lookup"], repeats=1)  # doctest: +SKIP
+        >>> summary, rows = run_demo(max_new_tokens=8, methods=["prompt_lookup"])  # doctest: +SKIP
         >>> all(r["same"] for r in rows)  # doctest: +SKIP
         True
     """
     from .default_model import load_smollm2
 
+    repeats = (THOROUGH_REPEATS if thorough else 1) if repeats is None else repeats
     if repeats < 1:
         raise ValueError(f"repeats must be 1 or more, got {repeats}.")
 
@@ -291,18 +320,19 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
     for name in methods or ():
         registry.get(name)  # an unknown name: the registry's error, with the list
     given = {k: v for k, v in by_flag.items() if v is not None}
-    candidates = available_demo_methods(model, drafters=drafters, only=methods or None, **given)
+    only = methods or (None if thorough else list(QUICK_METHODS))
+    candidates = available_demo_methods(model, drafters=drafters, only=only, **given)
     missing = [m for m in methods or () if m not in candidates]
     if missing:
         flags = ", ".join(f"--{registry.get(m).drafter_flag} FOLDER" for m in missing)
         raise ValueError(f"{', '.join(missing)}: no drafter ships for {MODEL_ID}; pass one ({flags}).")
-    chosen = {m: candidates[m] for m in (methods or candidates)}
-    prompts = demo_prompts()
+    chosen = {m: candidates[m] for m in (only or candidates) if m in candidates}
+    prompts = demo_prompts() if thorough else [demo_prompts()[i] for i in QUICK_PROMPTS]
     encoded = [_encode(tokenizer, p) for _, p in prompts]
     gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
     cpu = model.device.type == "cpu"
 
-    # warm-up (first calls pay one-time costs), then one full plain generation to say how long the runs will take
+    # warm-up (first calls pay one-time costs)
     say(f"warming up {', '.join(_label(n, o) for n, o in chosen.items())} in {dtype_name(dtype)} ...")
     model.generate(**encoded[0], max_new_tokens=8, do_sample=False)
     if cpu:
@@ -310,15 +340,18 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
             model.generate(**encoded[0], max_new_tokens=8, do_sample=False)
     for name, opts in chosen.items():
         model.generate(**encoded[0], max_new_tokens=8, do_sample=False, custom_generate=decoding_method(name, **opts))
-    t0 = time.perf_counter()
-    model.generate(**encoded[0], **gen)
-    t_plain = time.perf_counter() - t0
     per_round = len(chosen) + 1 + cpu
     n_runs = len(prompts) * repeats * per_round
-    say(f"timed runs: {len(prompts)} prompts x {repeats} repeats x (plain{', padded plain' if cpu else ''} + "
-        f"{len(chosen)} method{'s' if len(chosen) != 1 else ''}) = {n_runs} generations of up to {max_new_tokens} "
-        f"tokens; one plain generation took {t_plain:.1f} s, so about {_duration(n_runs * t_plain)} for "
-        f"{len(chosen)} method{'s' if len(chosen) != 1 else ''} x {repeats} repeats")
+    plan = (f"timed runs: {_plural(len(prompts), 'prompt')} x {_plural(repeats, 'repeat')} x (plain"
+            f"{', padded plain' if cpu else ''} + {_plural(len(chosen), 'method')}) = {n_runs} generations of up to "
+            f"{max_new_tokens} tokens")
+    if repeats > 1:  # a long run: one full plain generation says how long it will take
+        t0 = time.perf_counter()
+        model.generate(**encoded[0], **gen)
+        t_plain = time.perf_counter() - t0
+        plan += (f"; one plain generation took {t_plain:.1f} s, so about {_duration(n_runs * t_plain)} for "
+                 f"{_plural(len(chosen), 'method')} x {_plural(repeats, 'repeat')}")
+    say(plan)
     if dtype in HALF:
         say(HALF_NOTE)
 
@@ -351,19 +384,27 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
                 times[name].append(time.perf_counter() - t0)
                 stats[name].append(out.speculative_stats)
                 matches[name] += torch.equal(out.sequences, base)
+                if rep == repeats - 1:  # the row is complete: print it now
+                    rows.append(_row(kind, index, name, _label(name, opts), n_new, times, stats[name],
+                                     matches[name], cpu, dtype_name(dtype)))
+                    say(_row_line(rows[-1], len(prompts)))
             rounds_done += 1
-            left = (time.perf_counter() - started) / rounds_done * (n_rounds - rounds_done)
-            say(f"  [{kind:4s} {index + 1}/{len(prompts)}] repeat {rep + 1}/{repeats}: "
-                + ", ".join(f"{label} {times[key][-1]:.1f} s" for key, label in
-                            [("plain", "plain"), ("kernels", "padded plain"),
-                             *((n, _label(n, o)) for n, o in chosen.items())] if times[key])
-                + (f"  (about {_duration(left)} left)" if rounds_done < n_rounds else ""))
-        for name, opts in chosen.items():
-            rows.append(_row(kind, index, name, _label(name, opts), n_new, times, stats[name], matches[name], cpu,
-                             dtype_name(dtype)))
-            say(_row_line(rows[-1], len(prompts)))
+            if repeats > 1:
+                left = (time.perf_counter() - started) / rounds_done * (n_rounds - rounds_done)
+                say(f"  [{kind:4s} {index + 1}/{len(prompts)}] repeat {rep + 1}/{repeats}: "
+                    + ", ".join(f"{label} {times[key][-1]:.1f} s" for key, label in
+                                [("plain", "plain"), ("kernels", "padded plain"),
+                                 *((n, _label(n, o)) for n, o in chosen.items())] if times[key])
+                    + (f"  (about {_duration(left)} left)" if rounds_done < n_rounds else ""))
 
     summary = _summarize(rows, chosen, cpu)
     if verbose:
         _print_summary(summary, chosen, repeats)
+        if not thorough:
+            t_plain = statistics.median(r["base_s"] for r in rows)
+            n_thorough = len(demo_prompts()) * THOROUGH_REPEATS * (_thorough_count(model) + 1 + cpu)
+            say(f"This was the quick demo ({_plural(len(prompts), 'prompt')}, "
+                f"{_plural(repeats, 'run')} of each generation). The thorough version runs every method on "
+                f"{len(demo_prompts())} prompts, {THOROUGH_REPEATS} interleaved repeats each, and marks noisy "
+                f"rows (about {_duration(n_thorough * t_plain)} here): hf-specdec demo --thorough")
     return summary, rows

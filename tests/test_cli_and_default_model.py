@@ -91,7 +91,8 @@ def test_help_shows_choices_and_defaults(capsys, monkeypatch):
     methods = ",".join(registry.available_methods())
     dtypes = "{float32,float16,bfloat16}"
     expected = {
-        "demo": ["--max-new-tokens MAX_NEW_TOKENS tokens generated per prompt (default: 96)", "(default: 3)",
+        "demo": ["--max-new-tokens MAX_NEW_TOKENS tokens generated per prompt (default: 96)",
+                 "(default: 1; 3 with --thorough)", "--thorough every method", "(default: prompt_lookup,eagle3,dflash;",
                  f"--dtype {dtypes} the model's dtype (drafters follow it;", "reported as the match rate",
                  "--methods M1,M2", "comma-separated, of " + ", ".join(registry.available_methods())],
         "bench": [f"--dtype {dtypes}", "the target's dtype (drafters follow it; not float32: the same target in "
@@ -203,7 +204,7 @@ def test_demo_repeats_interleaved_and_checked(capsys, monkeypatch):
     generate = model.generate
     monkeypatch.setattr(model, "generate", lambda *a, **kw: calls.append(
         "method" if kw.get("custom_generate") else "plain") or generate(*a, **kw))
-    summary, rows = demo.run_demo(max_new_tokens=6, methods=["prompt_lookup"], repeats=2)
+    summary, rows = demo.run_demo(max_new_tokens=6, methods=["prompt_lookup"], repeats=2, thorough=True)
     out = capsys.readouterr().out
     assert "timed runs: 5 prompts x 2 repeats x (plain, padded plain + 1 method) = 30 generations" in out
     assert out.index("timed runs:") < out.index("repeat 1/2")
@@ -218,6 +219,29 @@ def test_demo_repeats_interleaved_and_checked(capsys, monkeypatch):
     assert {method for method, _ in summary} == {"prompt_lookup"} and {kind for _, kind in summary} == {
         "copy", "chat", "math"}
     assert all("proposed_drafts" in s and "noisy" in s for s in summary.values())
+
+
+def test_demo_by_default_is_quick_and_says_how_to_run_the_thorough_one(capsys, monkeypatch):
+    """The default demo: the quick methods on the quick prompts, one run each, every output still checked; each
+    comparison is printed as soon as it has run (before the summary), and the last line names --thorough."""
+    from hf_specdec import default_model, demo
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:60] }}{% endfor %}"
+    monkeypatch.setattr(default_model, "load_smollm2", lambda dtype=None, verbose=True: (model.to(dtype), tok))
+    asked = []
+    monkeypatch.setattr(demo, "available_demo_methods", lambda model, drafters=None, only=None, **kw: asked.append(
+        only) or {"prompt_lookup": {}, "suffix": {}})  # no shipped drafter fits the tiny model
+    summary, rows = demo.run_demo(max_new_tokens=4)
+    out = capsys.readouterr().out
+    assert asked == [list(demo.QUICK_METHODS)]  # only the quick methods' drafters are loaded
+    assert [r["method"] for r in rows] == ["prompt_lookup"] * len(demo.QUICK_PROMPTS)  # in the quick set, available
+    assert [r["kind"] for r in rows] == [demo.demo_prompts()[i][0] for i in demo.QUICK_PROMPTS] == ["copy", "math"]
+    assert all(r["same"] and r["repeats"] == 1 for r in rows)
+    assert "timed runs: 2 prompts x 1 repeat x (plain, padded plain + 1 method) = 6 generations" in out
+    assert "repeat 1/1" not in out and out.index("[copy 1/2] prompt_lookup") < out.index("[math 2/2]") < out.index(
+        "times: one run of each prompt")
+    assert out.rstrip().splitlines()[-1].endswith("hf-specdec demo --thorough")
 
 
 def test_demo_flags_noisy_and_impossible_rows():
