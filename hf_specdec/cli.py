@@ -274,9 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``hf-specdec`` argument parser (every subcommand; choices and defaults shown by ``--help``)."""
     from .bench.data import DATASETS
     from .bench.harness import BACKGROUND_LOAD_MODES, BASELINES
-
     from .demo import QUICK_METHODS, THOROUGH_REPEATS, demo_prompts
     names = registry.available_methods()
+
     drafter_methods = _drafter_methods()
     bench_names = list(dict.fromkeys(n for m in registry.methods() for n in (m.name, *(
         f"{k}[:{v.arg}]" for k, v in m.shorthands.items()))))
@@ -297,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--write-folders", action="store_true",
                    help="rewrite the built-in methods' custom_generate folders from their records")
     p.set_defaults(func=_methods)
+    p.add_argument("--write-docs", action="store_true",
+                   help="rewrite the generated block (call, drafter, options) of docs/methods/<method>.md from the "
+                        "records (in a checkout of the repository)")
 
     p = add("demo", "speculative vs plain generation on SmolLM2-135M-Instruct: checks the outputs are identical and "
                     "prints tokens/s, acceptance length and the speedup. By default a quick run (a few minutes on 2 "
@@ -581,6 +584,12 @@ def _methods(args) -> int:
             print(f"wrote {folder}")
         return 0
     if args.markdown:
+    if args.write_docs:
+        from .folders import write_method_docs
+
+        for page in write_method_docs():
+            print(f"wrote {page}")
+        return 0
         print(registry.markdown_table())
         return 0
     print("\n\n".join(registry.describe(m) for m in registry.methods()))

