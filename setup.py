@@ -11,11 +11,25 @@ for line in (here / "hf_specdec" / "__init__.py").read_text().splitlines():
 setup(
     name="hf_specdec",
     version=version["__version__"],
-    description="Lossless speculative decoding for Hugging Face transformers: prompt lookup, draft models, "
-    "EAGLE-3 and DFlash behind model.generate(), with converters for published drafters.",
+    description="Lossless speculative decoding for Hugging Face transformers behind model.generate(): nine methods "
+    "(prompt lookup, suffix, lookahead, draft models, EAGLE-3, DFlash, Medusa, LayerSkip, multi-token prediction) "
+    "and hybrid drafting, with converters for published drafters, trainers, export to vLLM / SGLang and a benchmark.",
     long_description=(here / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: OS Independent",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Programming Language :: Python :: 3.10",
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+        "Programming Language :: Python :: 3.13",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
     python_requires=">=3.10",
     packages=[
         "hf_specdec",
