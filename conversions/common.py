@@ -296,7 +296,7 @@ def _resolve_verifier(verifier, recorded: str | None) -> Verifier:
     config = getattr(given, "config", given)  # a model -> its config
     if hasattr(config, "to_dict"):
         data = config.to_dict()
-        name = getattr(config, "_name_or_path", None) or data.get("_name_or_path")
+        name = getattr(config, "name_or_path", None) or data.get("_name_or_path")
         if not name:
             raise ConversionError("The verifier config names no model (_name_or_path is empty): pass the target's "
                                   "Hub id or folder instead.")

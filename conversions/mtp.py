@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from hf_specdec._transformers import keep_in_fp32_strict, load_with_conversions
 from hf_specdec.modeling.mtp import LAYOUTS as _MODEL_LAYOUTS
 
 from .common import (
@@ -347,13 +348,13 @@ def _published_dtype(tensors: dict[str, torch.Tensor], proj_key: str) -> torch.d
 
 def _fp32_patterns(block_config) -> list[str]:
     """The family's ``_keep_in_fp32_modules_strict`` (parameters transformers keeps fp32 whatever the dtype)."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+    from transformers import MODEL_MAPPING
 
     try:
         cls = MODEL_MAPPING[type(block_config)]
     except KeyError:
         return []
-    return list(getattr(cls, "_keep_in_fp32_modules_strict", None) or [])
+    return keep_in_fp32_strict(cls)
 
 
 def _keeps_fp32(name: str, patterns: list[str]) -> bool:
@@ -364,23 +365,16 @@ def _load_state(module, state: dict[str, torch.Tensor], names: dict[str, str], w
     """Load ``state`` (checkpoint names, prefix removed) into the meta-device ``module`` with transformers' own
     loader and the block family's conversion mapping (per-expert -> fused experts, ...); anything missing,
     unexpected or of another shape is an error naming the checkpoint's keys."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.modeling_utils import LoadStateDictConfig
-    from transformers.utils import logging as hf_logging
+    from transformers import logging as hf_logging
 
-    block_type = module.config.block_config.get("model_type")
-    mapping = list(get_checkpoint_conversion_mapping(block_type) or []) + list(
-        get_checkpoint_conversion_mapping("legacy") or [])
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        info, _ = convert_and_load_state_dict_in_model(module, dict(state),
-                                                        LoadStateDictConfig(weight_mapping=mapping))
+        # saved in our (fused) names afterwards, loaded without conversion
+        info = load_with_conversions(module, state, module.config.block_config.get("model_type"))
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    module.__dict__.pop("_weight_conversions", None)  # saved in our (fused) names, loaded without conversion
 
     def named(key):
         return names.get(key, key)

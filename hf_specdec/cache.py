@@ -16,15 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import (
-    Cache,
-    DynamicCache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    StaticCache,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-)
+from transformers import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer, StaticSlidingWindowLayer
+
+from ._transformers import DynamicSlidingWindowLayer, set_static_layer_length
 
 
 class UnsupportedCacheError(ValueError):
@@ -94,7 +88,7 @@ def keep_columns(cache: Cache, start: int, index: torch.LongTensor) -> None:
             for buf in (keys, values):
                 picked = buf[:, :, start:].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
                 buf[:, :, start:start + m] = picked
-            layer.cumulative_length.fill_(start + m)
+            set_static_layer_length(layer, start + m)
         else:
             def pick(buf):
                 return buf[:, :, start:].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
@@ -113,7 +107,7 @@ def gather_columns(cache: Cache, index: torch.LongTensor) -> None:
             for buf in (layer.keys, layer.values):
                 picked = buf.gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
                 buf[:, :, :length] = picked
-            layer.cumulative_length.fill_(length)
+            set_static_layer_length(layer, length)
         else:
             layer.keys = layer.keys.gather(2, idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
             layer.values = layer.values.gather(

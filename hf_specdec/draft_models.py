@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ._transformers import load_pretrained
+
 SHARED_FLAG = "hf_specdec_shares_target_embeddings"
 VOCAB_KEY = "hf_specdec_draft_vocab"  # target token ids the student drafts (a model attribute once loaded)
 WEIGHTS = "model.safetensors"
@@ -89,7 +91,7 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
     if Path(path).is_dir():
         check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
     if not getattr(config, SHARED_FLAG, False):
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=target.dtype)
+        model = load_pretrained(AutoModelForCausalLM, path, revision=revision, dtype=target.dtype)
         return model.to(target.device).eval()
     text, mine = target.config.get_text_config(), config.get_text_config()
     for field in ("hidden_size", "vocab_size"):
@@ -99,7 +101,7 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
                              "shares the target's embeddings, so it only works with the target it was trained for.")
     state = load_file(_resolve(path, WEIGHTS, revision))
     vocab = state.pop(VOCAB_KEY, None)
-    config._name_or_path = path  # where its tokenizer, if saved, is found (hf_specdec.identity)
+    config.name_or_path = path  # where its tokenizer, if saved, is found (hf_specdec.identity)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     shared = _shared_keys(model)
     expected = set(model.state_dict()) - shared

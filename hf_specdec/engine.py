@@ -36,6 +36,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import cache as cache_ops
+from ._transformers import pad_token_tensor
 from .proposers.base import Proposer
 from .rows import RowBook, Stopper
 from .runners import TargetRunner, call_lock, runner_for
@@ -193,7 +194,7 @@ def speculative_decode(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     return_dict = bool(generation_config.return_dict_in_generate)
-    pad_id = generation_config._pad_token_tensor
+    pad_id = pad_token_tensor(generation_config)
     stopper = Stopper(stopping_criteria, generation_config.max_length)
     state = DecodingState(model, input_ids, attention_mask, stopper.max_length, logits_processor,
                           bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0]))

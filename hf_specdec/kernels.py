@@ -41,6 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ._transformers import attention_implementation, switch_attention
 from .costs import _CPU_HALF_PRIOR, _CPU_PRIOR
 from .dtypes import HALF
 from .runners import TargetRunner, TargetSession, device_type_of, runner_for
@@ -253,7 +254,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
                  mask_repeats: _MaskRepeats | None = None, exact: _ExactRows | None = None, **kwargs):
     """``sdpa`` attention that folds the query heads of each key/value group into the query length; in half
     precision, for one row, the query tokens as plain decoding computes them (:class:`_ExactRows`)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from ._transformers import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
@@ -294,7 +295,7 @@ def _register_attention() -> bool:
         if not _ATTENTION:
             try:
                 from transformers import AttentionInterface
-                from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+                from ._transformers import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
             except ImportError:  # pragma: no cover - older transformers
                 return False
             ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
@@ -372,7 +373,7 @@ class VerifyKernels:
             for module in self.model.modules():
                 config = getattr(module, "config", None)
                 if (hasattr(module, "num_key_value_groups") and config is not None and id(config) not in self.config_ids
-                        and getattr(config, "_attn_implementation", None) == "sdpa"):
+                        and attention_implementation(config) == "sdpa"):
                     self.config_ids.add(id(config))
                     self.configs.append(config)
         return self
@@ -415,13 +416,13 @@ class VerifyKernels:
         self.drafting_now = True
         configs = self.configs if self.exact is not None else []
         for config in configs:
-            config._attn_implementation_internal = ATTN_NAME
+            switch_attention(config, ATTN_NAME)
         try:
             yield
         finally:
             self.drafting_now = False
             for config in configs:
-                config._attn_implementation_internal = "sdpa"
+                switch_attention(config, "sdpa")
             if self.exact is not None:
                 self.exact.clear()
 
@@ -439,7 +440,7 @@ class VerifyKernels:
         # (half precision: one token too, as plain decoding computes it, see _ExactRows)
         configs = self.configs if tokens_per_row >= 2 or self.exact is not None else []
         for config in configs:
-            config._attn_implementation_internal = ATTN_NAME
+            switch_attention(config, ATTN_NAME)
         try:
             yield
         finally:
@@ -448,7 +449,7 @@ class VerifyKernels:
             if self.exact is not None:
                 self.exact.clear()
             for config in configs:
-                config._attn_implementation_internal = "sdpa"
+                switch_attention(config, "sdpa")
 
 
 class CpuKernelSession(TargetSession):

@@ -30,6 +30,7 @@ import weakref
 import torch
 
 from . import cache as cache_ops
+from ._transformers import supports_logits_to_keep
 from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
 from .tree import build_attention_mask
 
@@ -92,7 +93,7 @@ class TargetSession:
         position, hidden_states or None)``."""
         bsz, length = input_ids.shape
         kwargs = dict(self.forward_kwargs)
-        if self.model._supports_logits_to_keep():
+        if supports_logits_to_keep(self.model):
             kwargs["logits_to_keep"] = 1
         if self.static:
             causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()[None]

@@ -1,4 +1,4 @@
-"""What the drafters share: the fit check against a target, the read-out through the target's LM head."""
+"""What the drafters share: the fit check against a target, the read-out through the target's LM head, loading."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from hf_specdec._transformers import from_pretrained_options
 
 
 def target_fit_problems(config, target_config, what: str, ids_for: Callable[[int], list[int]],
@@ -28,6 +30,16 @@ def target_fit_problems(config, target_config, what: str, ids_for: Callable[[int
     if any(not 0 <= i <= top for i in ids):
         problems.append(f"{what} {ids} out of range for a {n}-layer target (0..{top})")
     return problems
+
+
+class LoadsWithoutKernelsMixin:
+    """``from_pretrained`` (and ``AutoModel.from_pretrained``) of a drafter on every transformers in the tested range,
+    with or without the ``kernels`` package (transformers 5.25 needs it for its default ``use_kernels=True``):
+    :func:`hf_specdec._transformers.from_pretrained_options`. First among the bases, before ``PreTrainedModel``."""
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        return super().from_pretrained(*args, **from_pretrained_options(kwargs))
 
 
 class DraftVocabularyMixin:

@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .common import target_fit_problems
+from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
+
+from .common import LoadsWithoutKernelsMixin, target_fit_problems
 
 
 def default_dflash_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -176,7 +176,7 @@ class DFlashDecoderLayer(nn.Module):
         return h + self.mlp.down_proj(self.act(self.mlp.gate_proj(m)) * self.mlp.up_proj(m))
 
 
-class DFlashDrafter(PreTrainedModel):
+class DFlashDrafter(LoadsWithoutKernelsMixin, PreTrainedModel):
     """The DFlash block drafter. ``forward`` returns the final-normed hidden states of the block; the target's LM head
     turns positions ``1..block_size-1`` into draft logits (:meth:`draft_logits`).
 

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .common import target_fit_problems
+from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
+
+from .common import LoadsWithoutKernelsMixin, target_fit_problems
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -211,7 +211,7 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden, kv
 
 
-class Eagle3Drafter(PreTrainedModel):
+class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
     """The EAGLE-3 draft network. ``forward`` returns ``(draft_logits, prenorm_hidden)``.
 
     Example:

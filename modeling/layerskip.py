@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from .common import TargetHeadMixin, target_fit_problems
+from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
+
+from .common import LoadsWithoutKernelsMixin, TargetHeadMixin, target_fit_problems
 
 
 class ExitAdapterConfig(PretrainedConfig):
@@ -155,7 +155,7 @@ class ExitAdapterLayer(nn.Module):
         return hidden
 
 
-class ExitAdapter(TargetHeadMixin, PreTrainedModel):
+class ExitAdapter(LoadsWithoutKernelsMixin, TargetHeadMixin, PreTrainedModel):
     """The exit adapter (see the module docstring).
 
     ``forward(hidden_states [B, q, H], position_ids [B, q], attention_mask=None, cache=None) -> normed [B, q, H]``;

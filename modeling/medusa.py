@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
-from transformers.activations import ACT2FN
 
-from .common import DraftVocabularyMixin, target_fit_problems
+from hf_specdec._transformers import ACT2FN
+
+from .common import DraftVocabularyMixin, LoadsWithoutKernelsMixin, target_fit_problems
 
 
 class MedusaConfig(PretrainedConfig):
@@ -114,7 +115,7 @@ class MedusaBlock(nn.Module):
         return x
 
 
-class MedusaHeads(DraftVocabularyMixin, PreTrainedModel):
+class MedusaHeads(LoadsWithoutKernelsMixin, DraftVocabularyMixin, PreTrainedModel):
     """``K`` Medusa heads over the target's final hidden state (see the module docstring).
 
     ``forward(hidden_states [..., H]) -> logits [..., K, draft_vocab_size]``; :meth:`draft_to_target` maps draft

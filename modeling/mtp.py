@@ -52,7 +52,9 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
-from .common import TargetHeadMixin, target_fit_problems
+from hf_specdec._transformers import no_split_modules, set_attention_implementation, set_experts_implementation
+
+from .common import LoadsWithoutKernelsMixin, TargetHeadMixin, target_fit_problems
 
 LAYOUTS = ("deepseek", "qwen3_next", "mimo")
 # per layout: (embedding norm, hidden norm, projection, output norm) names, and whether one set serves every block
@@ -90,7 +92,7 @@ def block_config_for(text_config, num_layers: int) -> PretrainedConfig:
 def family_classes(block_config) -> tuple[type, type, type | None]:
     """``(decoder layer class, RMSNorm class, rotary embedding class or None)`` of ``block_config``'s family, from
     transformers' own modeling module."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+    from transformers import MODEL_MAPPING
 
     try:
         base_cls = MODEL_MAPPING[type(block_config)]
@@ -98,7 +100,7 @@ def family_classes(block_config) -> tuple[type, type, type | None]:
         raise ValueError(f"transformers has no model for config {type(block_config).__name__} "
                          f"(model_type {block_config.model_type!r}): cannot build its decoder layer.") from None
     module = sys.modules[base_cls.__module__]
-    names = [n for n in (getattr(base_cls, "_no_split_modules", None) or []) if n.endswith("DecoderLayer")]
+    names = [n for n in no_split_modules(base_cls) if n.endswith("DecoderLayer")]
     if not names or not hasattr(module, names[0]):
         raise ValueError(f"{base_cls.__name__} names no decoder layer class (_no_split_modules).")
     layer_cls = getattr(module, names[0])
@@ -127,8 +129,8 @@ def _build_block_config(data: dict) -> PretrainedConfig:
         config = AutoConfig.for_model(model_type, **data)
     except ValueError as err:
         raise ValueError(f"block_config: transformers does not know model_type {model_type!r}: {err}") from None
-    config._attn_implementation = "sdpa"
-    config._experts_implementation = "eager"  # MoE blocks: the plain per-expert loop (no dispatch to pick)
+    set_attention_implementation(config, "sdpa")
+    set_experts_implementation(config, "eager")  # MoE blocks: the plain per-expert loop (no dispatch to pick)
     return config
 
 
@@ -269,7 +271,7 @@ class MTPConfig(_MTPConfigBase):
         self._check_target(target_config, "MTP module")
 
 
-class MTPModule(_Bound, PreTrainedModel):
+class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
     """``K`` sequential MTP modules (see the module docstring).
 
     ``forward(input_ids [B, T], hidden_states [B, T, H], position_ids [B, T], attention_mask=None, cache=None,
@@ -403,7 +405,7 @@ class ParallelMTPConfig(_MTPConfigBase):
         self._check_target(target_config, "set of parallel MTP heads")
 
 
-class ParallelMTPHeads(_Bound, PreTrainedModel):
+class ParallelMTPHeads(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
     """``n`` parallel heads on the target's trunk (see the module docstring).
 
     ``forward(trunk [B, T, H], position_ids [B, T], attention_mask=None, cache=None) -> normed [B, T, n, H]``:

@@ -83,7 +83,7 @@ def _target_id(target) -> str | None:
     vocabulary, wherever its files are), else the path or id it was loaded from."""
     from ..identity import identify
 
-    return identify(target) or getattr(target.config, "_name_or_path", None) or None
+    return identify(target) or getattr(target.config, "name_or_path", None) or None
 
 
 def train_eagle3(target, tokenizer, out_dir, samples: int = 1500, max_length: int = 384, draft_vocab: int = 8192,
