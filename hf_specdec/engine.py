@@ -37,6 +37,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import cache as cache_ops
 from ._transformers import pad_token_tensor
+from .dtypes import HALF
 from .proposers.base import Proposer
 from .rows import RowBook, Stopper
 from .runners import TargetRunner, call_lock, runner_for
@@ -72,6 +73,7 @@ class SpeculativeStats:
     total_seconds: float = 0.0
     compactions: int = 0
     accept_histogram: dict[int, int] = field(default_factory=dict)
+    exact_bits: bool | None = None  # half precision: verification rounds as the one-token steps (probed; see below)
 
     @property
     def acceptance_length(self) -> float:
@@ -101,6 +103,7 @@ class SpeculativeStats:
             "total_seconds": self.total_seconds,
             "compactions": self.compactions,
             "accept_histogram": dict(sorted(self.accept_histogram.items())),
+            "exact_bits": self.exact_bits,
         }
 
 
@@ -176,13 +179,19 @@ def speculative_decode(
     proposer: Proposer,
     streamer=None,
     runner: TargetRunner | None = None,
+    rounding: str | None = None,
+    prompt_streamed: bool = False,
     **model_kwargs,
 ):
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
 
     ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runners.runner_for`'s choice
-    for the model). Returns a ``LongTensor`` of sequences, or a
-    :class:`SpeculativeDecoderOnlyOutput` when ``generation_config.return_dict_in_generate`` is set.
+    for the model); ``rounding`` is the ``rounding`` option (half precision); ``prompt_streamed``: ``streamer`` has
+    the prompt already. Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
+    ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half
+    precision, whether a verification here gives the bits of the target's own one-token steps (probed once per model,
+    dtype and rounding by :meth:`~hf_specdec.runners.TargetRunner.exact_bits`; ``False`` for a batch of several rows,
+    whose verification is not made to round as one row's; ``None`` in float32, where the output is identical anyway).
     """
     t_start = time.perf_counter()
     runner = runner if runner is not None else runner_for(model)
@@ -197,14 +206,16 @@ def speculative_decode(
     pad_id = pad_token_tensor(generation_config)
     stopper = Stopper(stopping_criteria, generation_config.max_length)
     state = DecodingState(model, input_ids, attention_mask, stopper.max_length, logits_processor,
-                          bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0]))
+                          bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0], rounding))
     rows = RowBook(state, stopper, streamer, want_scores=return_dict and bool(generation_config.output_scores),
                    want_logits=return_dict and bool(generation_config.output_logits),
-                   pad_id=int(pad_id) if pad_id is not None else 0)
+                   pad_id=int(pad_id) if pad_id is not None else 0, prompt_streamed=prompt_streamed)
     stats = SpeculativeStats(method=proposer.name)
+    if model.dtype in HALF:
+        stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(rounding)
     state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),
                                            capacity=stopper.max_length + proposer.max_nodes + 64)
-    with runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules()) as target:
+    with runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules(), rounding) as target:
         _decode(target, state, rows, stats, proposer, input_ids, attention_mask)
     sequences = rows.finish()
     stats.total_seconds = time.perf_counter() - t_start

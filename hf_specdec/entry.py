@@ -9,7 +9,8 @@ Three ways, one code path, every method and option read from the registry (:mod:
   :func:`generate_with_method` takes out what belongs to the method and calls ``model.generate`` again with a
   decoding callable, so transformers still prepares everything (generation config, processors, stopping criteria).
 * ``model.generate(..., custom_generate=hf_specdec.decoding_method("prompt_lookup"), ...)`` — a Python callable.
-  transformers drops ``streamer``/``assistant_model`` for callables: pass the drafter as ``drafter=``.
+  transformers keeps ``streamer``/``assistant_model`` from a callable: they are recovered from the calling
+  ``generate()`` (:class:`_DecodingMethod`).
 * the same from ``pipeline("text-generation", ...)(prompt, custom_generate=..., trust_remote_code=True, ...)``.
 
 The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :func:`~hf_specdec.runners.runner_for`.
@@ -18,8 +19,6 @@ The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :fu
 from __future__ import annotations
 
 import inspect
-import sys
-import warnings
 from typing import Callable
 
 import torch
@@ -27,6 +26,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 
 from . import registry
 from .engine import speculative_decode
+from ._transformers_frames import calling_generate_arguments, generate_arguments_in_flight, unused_generate_arguments
 from .folders import custom_generate_path
 from .proposers import Proposer
 from .registry import available_methods, build_proposer
@@ -35,10 +35,78 @@ from .runners import runner_for
 __all__ = ["available_methods", "build_proposer", "custom_generate_path", "decoding_method", "generate_with_method"]
 
 
-def _take_options(kwargs: dict) -> dict:
-    """Pop every method option (of any registered method) that was given, i.e. is not ``None``."""
-    taken = {k: kwargs.pop(k) for k in registry.all_option_names() if k in kwargs}
+def _take_options(kwargs: dict, model=None) -> dict:
+    """Pop every method option (of any registered method) that was given, i.e. is not ``None``; with ``model``, also
+    every argument that neither transformers nor the model takes (a misspelt option: the method's record names it)."""
+    names = set(registry.all_option_names())
+    if model is not None:
+        names |= set(unused_generate_arguments(model, kwargs))
+    taken = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
     return {k: v for k, v in taken.items() if v is not None}
+
+
+def _split_loop_options(opts: dict) -> dict:
+    """Pop the loop's options (:data:`hf_specdec.registry.LOOP_OPTIONS`) from ``opts``; the rest go to the proposer."""
+    return {o.name: opts.pop(o.name) for o in registry.LOOP_OPTIONS if o.name in opts}
+
+
+class _DecodingMethod:
+    """The callable :func:`decoding_method` returns (``model.generate(custom_generate=...)``).
+
+    transformers hands a decoding callable only the ``generate()`` arguments its signature names, checks every other
+    one against the model, and drops ``streamer`` and ``assistant_model``. So its signature names every method option
+    (those of other methods too, so that a misplaced one gets the error naming its method) and, while ``generate()``
+    sorts its arguments, any argument the model would reject (a misspelt option gets the method's own message); the
+    ``streamer`` and ``assistant_model`` of the calling ``generate()`` are recovered from it."""
+
+    def __init__(self, method, defaults: dict):
+        if isinstance(method, Proposer):
+            self.fixed, self.label = method, method.name
+            if set(defaults) - {o.name for o in registry.LOOP_OPTIONS}:
+                raise ValueError(f"decoding_method() got method option(s) {', '.join(sorted(defaults))} for a "
+                                 "Proposer instance; configure the proposer itself.")
+            for option in registry.LOOP_OPTIONS:
+                defaults[option.name] = option.check(self.label, defaults.get(option.name))
+        else:
+            self.fixed, self.label = None, method
+            registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at generate()
+        self.method, self.defaults = method, defaults
+        self.__name__ = f"hf_specdec_{self.label}"
+        self.__doc__ = f"hf_specdec speculative decoding, method {self.label!r}."
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        plain = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+                 for name, default in (("model", inspect.Parameter.empty), ("input_ids", inspect.Parameter.empty),
+                                       ("logits_processor", None), ("stopping_criteria", None),
+                                       ("generation_config", None))]
+        names = list(registry.all_option_names())
+        sorting = generate_arguments_in_flight()  # (model, kwargs) while generate() sorts its arguments
+        if sorting is not None:
+            names += [k for k in unused_generate_arguments(*sorting) if k not in names]
+        options = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names]
+        rest = inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)
+        return inspect.Signature(plain + options + [rest])
+
+    def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+                 **kwargs):
+        dropped = calling_generate_arguments()  # streamer= and assistant_model= that generate() kept to itself
+        opts = {**self.defaults, **_take_options(kwargs, model)}
+        if dropped.get("assistant_model") is not None:
+            if opts.get("drafter") is not None:
+                raise ValueError("Pass the draft model once: assistant_model= or drafter=, not both.")
+            opts["drafter"] = dropped["assistant_model"]
+        loop = _split_loop_options(opts)
+        if self.fixed is not None:
+            if opts:
+                raise ValueError(f"Method option(s) {', '.join(sorted(opts))} were given to a Proposer instance "
+                                 f"({self.label}); configure the proposer itself.")
+            proposer = self.fixed
+        else:
+            proposer = build_proposer(self.method, model, **opts)
+        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  proposer=proposer, runner=runner_for(model), streamer=dropped.get("streamer"),
+                                  prompt_streamed=True, **loop, **kwargs)
 
 
 def decoding_method(method, **defaults) -> Callable:
@@ -51,58 +119,10 @@ def decoding_method(method, **defaults) -> Callable:
         >>> out = model.generate(**inputs, max_new_tokens=64, do_sample=False,
         ...                      custom_generate=hf_specdec.decoding_method("prompt_lookup"))
 
-    Method options (``drafter=``, ``prompt_lookup_num_tokens=``...) may be given here or to ``generate``.
-    transformers does not forward ``streamer``/``assistant_model`` to a callable: use the folder form
-    (``custom_generate="hf_specdec/<method>"``) for streaming, and ``drafter=`` for the draft model.
+    Method options (``drafter=``, ``prompt_lookup_num_tokens=``...) may be given here or to ``generate``;
+    ``assistant_model=`` and ``streamer=`` given to ``generate`` work as in the folder form.
     """
-    if isinstance(method, Proposer):
-        fixed, label = method, method.name
-        if defaults:
-            raise ValueError(f"decoding_method() got method option(s) {', '.join(sorted(defaults))} for a Proposer "
-                             "instance; configure the proposer itself.")
-    else:
-        fixed, label = None, method
-        registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at the first generate() call
-
-    def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
-        _warn_dropped_streamer(label)
-        given = _take_options(kwargs)
-        if fixed is not None:
-            if given:
-                raise ValueError(f"Method option(s) {', '.join(sorted(given))} were given to a Proposer instance "
-                                 f"({label}); configure the proposer itself.")
-            proposer = fixed
-        else:
-            proposer = build_proposer(method, model, **{**defaults, **given})
-        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, runner=runner_for(model), **kwargs)
-
-    # transformers hands a callable only the generate() arguments its signature names: name every method option
-    # (those of other methods too, so that a misplaced one gets an error naming its method)
-    plain = [p for p in inspect.signature(run).parameters.values() if p.kind is not p.VAR_KEYWORD]
-    options = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in registry.all_option_names()]
-    rest = inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)
-    run.__signature__ = inspect.Signature(plain + options + [rest])
-    run.__name__ = f"hf_specdec_{label}"
-    run.__doc__ = f"hf_specdec speculative decoding, method {label!r}."
-    return run
-
-
-def _warn_dropped_streamer(label: str) -> None:
-    """transformers hands a decoding callable no ``streamer`` (it only receives the prompt): say so rather than let a
-    stream stop silently. The streamer is looked up in the calling ``generate()`` frame."""
-    frame = sys._getframe(2)
-    for _ in range(6):
-        if frame is None:
-            return
-        if frame.f_code.co_name == "generate" and "custom_generate" in frame.f_locals:
-            if frame.f_locals.get("streamer") is not None:
-                warnings.warn(f"transformers does not pass streamer= to a custom_generate callable, so the streamer "
-                              f"gets the prompt only. To stream, use the folder form: custom_generate="
-                              f"'hf_specdec/{label}' (or hf_specdec.custom_generate_path({label!r})) with "
-                              "trust_remote_code=True.", UserWarning, stacklevel=4)
-            return
-        frame = frame.f_back
+    return _DecodingMethod(method, dict(defaults))
 
 
 def _take_stop_strings(model, generation_config, kwargs):
@@ -129,7 +149,7 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
                          negative_prompt_attention_mask=None, **kwargs):
     """The body of every ``custom_generate/generate.py``: ``generate()``'s arguments in, sequences out."""
     registry.get(method)  # an unknown name fails first
-    opts = _take_options(kwargs)
+    opts = _take_options(kwargs, model)  # a misspelt option too: the method's record names it (resolve, below)
     if assistant_model is not None:
         if opts.get("drafter") is not None:
             raise ValueError("Pass the draft model once: assistant_model= or drafter=, not both.")
@@ -142,12 +162,13 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
     stop, generation_config = _take_stop_strings(model, generation_config, kwargs)
     if stop is not None:
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
+    loop = _split_loop_options(opts)
     proposer = build_proposer(method, model, **opts)
     runner = runner_for(model)
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **model_kwargs):
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, streamer=streamer, runner=runner, **model_kwargs)
+                                  proposer=proposer, streamer=streamer, runner=runner, **loop, **model_kwargs)
 
     return model.generate(
         inputs,

@@ -50,29 +50,33 @@ ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
 _MAX_EXACT_ROWS = 256
 _TRIALS = 7  # timed calls of each product per shape before the faster is kept
+_CHECK_ROWS = 64  # rows a product must give one-row bits for (half precision, _LinearChoice._rounding)
 
 
 class _LinearChoice:
-    """Per (weight shape, rows, dtype, threads): is ``(W @ x.T).T`` faster than ``F.linear``? Timed in place.
+    """Per (weight shape, rows, dtype, threads, rounding): which product computes ``x @ W.T``. Timed in place.
 
-    One per :class:`CpuKernelRunner` (so per model), kept across calls."""
+    One per :class:`CpuKernelRunner` (so per model), kept across calls. A choice is ``"linear"`` (``F.linear``),
+    ``"mm"`` (``(W @ x.T).T``) or ``"rows"`` (one ``F.linear`` per row: the bits of plain decoding's one-row steps
+    where no product over several rows has them; only with ``rounding="exact"``)."""
 
     force: bool | None = None  # tests: always (True) or never (False) the transposed product
 
     def __init__(self):
         self.times: dict[tuple, tuple[list[float], list[float]]] = {}
-        self.choice: dict[tuple, bool] = {}
+        self.choice: dict[tuple, str] = {}
 
-    def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias, exact: bool = False) -> torch.Tensor:
-        """``x2 [rows, in] @ weight.T (+ bias)`` by the faster product; ``exact`` (a target layer in half precision):
-        only by a product whose rows round as plain decoding's one-row ``F.linear``."""
-        key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads(), exact)
-        use_mm = self.choice.get(key) if self.force is None else self.force
-        if use_mm is not None:
-            return _mm_t(x2, weight, bias) if use_mm else F.linear(x2, weight, bias)
+    def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias, rounding: str | None = None) -> torch.Tensor:
+        """``x2 [rows, in] @ weight.T (+ bias)`` by the faster product. ``rounding`` (a target layer in half
+        precision, see :class:`VerifyKernels`): ``"auto"`` only by a product whose rows round as plain decoding's
+        one-row ``F.linear`` where one does (else ``F.linear``), ``"exact"`` by one row at a time where none does."""
+        key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads(), rounding)
+        use = self.choice.get(key) if self.force is None else ("mm" if self.force else "linear")
+        if use is not None:
+            return _product(use, x2, weight, bias)
         plain, mm = self.times.setdefault(key, ([], []))
-        if exact and not plain:
-            out = self._rounding(key, x2, weight, bias)
+        if rounding is not None and not plain:
+            out = self._rounding(key, x2, weight, bias, rounding)
             if out is not None:
                 return out
         try_mm = len(mm) < len(plain)
@@ -80,21 +84,33 @@ class _LinearChoice:
         out = _mm_t(x2, weight, bias) if try_mm else F.linear(x2, weight, bias)
         (mm if try_mm else plain).append(time.perf_counter() - t0)
         if len(mm) >= _TRIALS:  # medians of interleaved calls: one disturbed call does not decide
-            self.choice[key] = statistics.median(mm) < 0.9 * statistics.median(plain)
+            self.choice[key] = "mm" if statistics.median(mm) < 0.9 * statistics.median(plain) else "linear"
         return out
 
-    def _rounding(self, key, x2, weight, bias) -> torch.Tensor | None:
+    def _rounding(self, key, x2, weight, bias, rounding: str) -> torch.Tensor | None:
         """First call of a shape: does each product give every row the bits of plain decoding's one-row
-        ``F.linear``? With AMX in bf16 both do up to 32 rows (past 32 neither always does: the caller splits).
-        Where only one does, it is chosen now (and its output returned); where neither does, ``F.linear``; where
-        both do, ``None``: the timing decides."""
-        one_row = torch.cat([F.linear(x2[i:i + 1], weight, bias) for i in range(x2.shape[0])])
-        outs = {mm: _mm_t(x2, weight, bias) if mm else F.linear(x2, weight, bias) for mm in (False, True)}
-        exact = [mm for mm, out in outs.items() if torch.equal(out, one_row)]
+        ``F.linear``? With AMX in bf16 both do up to 32 rows (past 32 neither always does: the caller splits); with
+        AVX512-BF16 alone neither does once the input is wider than 1024 -- for some inputs only (a row's partial sums
+        round alike or not), so a product is checked on this input and on random ones of the same scale, at least
+        :data:`_CHECK_ROWS` rows in all. Where only one product holds, it is chosen now (and its output returned);
+        where neither does, ``F.linear`` (``"auto"``) or one row at a time (``"exact"``); where both do, ``None``:
+        the timing decides."""
+        rows, gen = x2.shape[0], torch.Generator().manual_seed(0)
+        scale = x2.float().std().nan_to_num(1.0).item() or 1.0
+        inputs = [x2] + [(torch.randn(rows, x2.shape[1], generator=gen) * scale).to(x2.dtype).to(x2.device)
+                         for _ in range(-(-_CHECK_ROWS // rows) - 1)]
+        singles = [_one_row_each(x, weight, bias) for x in inputs]
+        outs = {name: [_product(name, x, weight, bias) for x in inputs] for name in ("linear", "mm")}
+        exact = [name for name, out in outs.items() if all(map(torch.equal, out, singles))]
         if len(exact) == 2:
             return None
-        self.choice[key] = bool(exact and exact[0])
-        return outs[self.choice[key]]
+        self.choice[key] = exact[0] if exact else "rows" if rounding == "exact" else "linear"
+        return singles[0] if self.choice[key] == "rows" else outs[self.choice[key]][0]
+
+
+def _one_row_each(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """``F.linear`` of each row alone: what plain decoding's one-token steps compute, row by row."""
+    return torch.cat([F.linear(x2[i:i + 1], weight, bias) for i in range(x2.shape[0])])
 
 
 def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
@@ -103,6 +119,13 @@ def _mm_t(x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
     else:
         out = torch.mm(weight, x2.t()).t().contiguous()
     return out if bias is None else out + bias
+
+
+def _product(name: str, x2: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """``x2 @ weight.T (+ bias)`` by the product ``name`` of :class:`_LinearChoice`."""
+    if name == "mm":
+        return _mm_t(x2, weight, bias)
+    return _one_row_each(x2, weight, bias) if name == "rows" else F.linear(x2, weight, bias)
 
 
 class _MaskRepeats:
@@ -330,6 +353,13 @@ class VerifyKernels:
     ``choice``: the timing cache deciding between the two products (:class:`CpuKernelRunner` passes its own, kept
     across calls; default: a fresh one).
 
+    ``rounding`` (half precision only; the ``rounding`` option of every method): ``"auto"`` -- one row's tokens get
+    the attention of plain decoding's one-token steps (:class:`_ExactRows`) and the products whose rows round as one
+    row where this CPU has one (with AMX: every verification is bit-identical to plain decoding; with AVX512-BF16
+    alone, not the products wider than 1024); ``"exact"`` -- also one row at a time where no product over several
+    rows rounds as one row (bit-identical on every CPU, slower where it is needed); ``"fast"`` -- the packed attention
+    and the faster products (identical to plain decoding up to rounding).
+
     Example::
 
         with VerifyKernels(model) as kernels:
@@ -338,13 +368,14 @@ class VerifyKernels:
     """
 
     def __init__(self, model, enabled: bool = True, drafters=(), choice: _LinearChoice | None = None,
-                 exact: bool = True):
+                 rounding: str = "auto"):
         self.model = model
         self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
         self.choice = choice if choice is not None else _LinearChoice()
         self.mask_repeats = _MaskRepeats()
         # half precision: one row's tokens get the bits of plain decoding's one-token steps (see _ExactRows)
-        self.exact = _ExactRows() if exact and model.dtype in HALF else None
+        self.exact = _ExactRows() if rounding != "fast" and model.dtype in HALF else None
+        self.rounding = rounding if self.exact is not None else None  # the target's products (_LinearChoice)
         # rows past which a product keeps F.linear (a batch's one-token steps); in exact half precision a draft tree
         # of more than 32 tokens still needs products that round as one row: 32 rows at a time
         self.max_rows = _MAX_ROWS if self.exact is None else _MAX_EXACT_ROWS
@@ -397,11 +428,11 @@ class VerifyKernels:
             if (not (any_rows or self.active) or rows < (1 if any_rows else 2)
                     or rows > (_MAX_ROWS if always else self.max_rows) or x.dtype != weight.dtype):
                 return F.linear(x, weight, module.bias)
-            x2, exact = x.reshape(rows, weight.shape[1]), self.exact is not None and not always
-            if exact and rows > _MAX_ROWS:  # past 32 rows oneDNN's products round rows differently (split sums)
-                out = torch.cat([self.choice(part, weight, module.bias, exact=True) for part in x2.split(_MAX_ROWS)])
+            x2, rounding = x.reshape(rows, weight.shape[1]), None if always else self.rounding
+            if rounding and rows > _MAX_ROWS:  # past 32 rows oneDNN's products round rows differently (split sums)
+                out = torch.cat([self.choice(part, weight, module.bias, rounding) for part in x2.split(_MAX_ROWS)])
             else:
-                out = self.choice(x2, weight, module.bias, exact=exact)
+                out = self.choice(x2, weight, module.bias, rounding)
             return out.reshape(*x.shape[:-1], weight.shape[0])
         return forward
 
@@ -457,7 +488,7 @@ class CpuKernelSession(TargetSession):
 
     def __enter__(self) -> "CpuKernelSession":
         self.kernels = VerifyKernels(self.model, drafters=self.drafters, choice=self.runner.choice,
-                                     exact=self.runner.exact).__enter__()
+                                     rounding=self.rounding).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -477,10 +508,9 @@ class CpuKernelRunner(TargetRunner):
     name = "cpu_kernels"
     session_class = CpuKernelSession
 
-    def __init__(self, model, exact: bool = True):
+    def __init__(self, model):
         super().__init__(model)
         self.choice = _LinearChoice()
-        self.exact = exact  # half precision: one row's verification rounds as plain decoding does (_ExactRows)
 
     @classmethod
     def applies_to(cls, model) -> bool:
@@ -518,6 +548,6 @@ def padded_plain_decoding(model):
     """
     runner = runner_for(model, kernels=True)
     # no exact half-precision rounding: plain decoding's own attention and prefill (only its products change)
-    kernels = VerifyKernels(model, choice=getattr(runner, "choice", None), exact=False)
+    kernels = VerifyKernels(model, choice=getattr(runner, "choice", None), rounding="fast")
     with kernels, kernels.drafting():
         yield model

@@ -89,6 +89,12 @@ SCHEDULE = Option("draft_length_schedule", str, "adaptive",
                   "'adaptive': draft lengths follow the measured costs and acceptance; 'constant': always the most",
                   choices=("adaptive", "constant"))
 
+ROUNDING = Option("rounding", str, None,
+                  "half precision on the CPU: 'auto' (default) bit-identical to the target's own one-token steps where "
+                  "this CPU's products allow (probed: speculative_stats['exact_bits']), 'exact' bit-identical on every "
+                  "CPU (slower where it is needed), 'fast' identical up to rounding", choices=("auto", "exact", "fast"))
+LOOP_OPTIONS = (ROUNDING,)  # options of the loop, taken by every method (not passed to its proposer)
+
 
 @dataclass(frozen=True)
 class Shorthand:
@@ -184,8 +190,13 @@ class Method:
     def __repr__(self) -> str:
         return f"Method({self.name!r})"
 
+    @property
+    def all_options(self) -> tuple[Option, ...]:
+        """Its own options and the loop's (:data:`LOOP_OPTIONS`)."""
+        return self.options + LOOP_OPTIONS
+
     def option(self, name: str) -> Option:
-        return {o.name: o for o in self.options}[name]
+        return {o.name: o for o in self.all_options}[name]
 
     @property
     def drafter_flag(self) -> str | None:
@@ -210,13 +221,13 @@ class Method:
         key, sep, value = text.partition("=")
         if not sep:
             raise ValueError(f"{text!r}: method options are given as KEY=VALUE.")
-        if key not in {o.name for o in self.options}:
+        if key not in {o.name for o in self.all_options}:
             raise ValueError(_unknown_options_message(self, [key]))
         return key, self.option(key).parse(value)
 
     @property
     def option_names(self) -> list[str]:
-        return [o.name for o in self.options] + (["drafter"] if self.drafter else [])
+        return [o.name for o in self.all_options] + (["drafter"] if self.drafter else [])
 
     def resolve(self, given: dict) -> dict:
         """Every option's value (``given`` first, ``None`` meaning not given), checked; ``"drafter"`` as given."""
@@ -229,18 +240,34 @@ class Method:
         unknown = [k for k in unknown if k != "drafter"]
         if unknown:
             raise ValueError(_unknown_options_message(self, unknown))
-        opts = {o.name: o.check(self.name, given.get(o.name)) for o in self.options}
+        opts = {o.name: o.check(self.name, given.get(o.name)) for o in self.all_options}
         if self.drafter is not None:
             opts["drafter"] = given.get("drafter")
         return opts
 
 
 def _unknown_options_message(method: Method, unknown: list[str]) -> str:
+    """Names the unknown options, the method owning each (if another does), the nearest match of a misspelt one
+    (among this method's options, every method's and the generation settings) and this method's options."""
+    import difflib
+
+    from transformers import GenerationConfig
+
     owners = {k: [m.name for m in methods() if k in m.option_names] for k in unknown}
     elsewhere = "; ".join(f"{k} is an option of {', '.join(v)}" for k, v in owners.items() if v)
+    ours, settings = method.option_names, list(GenerationConfig().to_dict())
+    candidates = list(dict.fromkeys(ours + settings + all_option_names()))  # ties: this method's, then settings
+    nearest = {}
+    for k in unknown:
+        score, best = max((difflib.SequenceMatcher(None, k, c).ratio(), -i, c) for i, c in enumerate(candidates))[::2]
+        if not owners[k] and score >= 0.75:
+            nearest[k] = best
+    guesses = "; ".join(f"{k} is a generation setting: give it to generate()" if k == v else f"{k}: did you mean {v}"
+                        + ("" if v in ours else " (a generation setting)" if v in settings else " (another method's)")
+                        + "?" for k, v in nearest.items())
     return (f"Got unknown method option(s) {', '.join(unknown)} for {method.name!r}"
-            + (f" ({elsewhere})" if elsewhere else "")
-            + f"; the options of {method.name!r} are {', '.join(method.option_names) or 'none'} "
+            + (f" ({elsewhere})" if elsewhere else "") + (f" ({guesses})" if guesses else "")
+            + f"; the options of {method.name!r} are {', '.join(ours) or 'none'} "
             "(generation settings such as top_k go to generate()).")
 
 

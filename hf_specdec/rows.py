@@ -57,7 +57,7 @@ class RowBook:
     """
 
     def __init__(self, state: DecodingState, stopper: Stopper, streamer=None, want_scores: bool = False,
-                 want_logits: bool = False, pad_id: int = 0):
+                 want_logits: bool = False, pad_id: int = 0, prompt_streamed: bool = False):
         bsz = state.batch_size
         self.state = state
         self.stopper = stopper
@@ -70,7 +70,7 @@ class RowBook:
         self.logits: list[list[torch.Tensor]] = [[] for _ in range(bsz)]
         self.streamed = state.prompt_length
         state.eos_token_ids = sorted(stopper.eos)
-        if streamer is not None:
+        if streamer is not None and not prompt_streamed:  # (generate() itself streams it before a callable runs)
             streamer.put(state.tokens[:, : state.prompt_length].cpu())
 
     # ---- one step

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -32,8 +33,10 @@ import torch
 from . import cache as cache_ops
 from ._transformers import supports_logits_to_keep
 from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
+from .dtypes import HALF
 from .tree import build_attention_mask
 
+logger = logging.getLogger("hf_specdec")
 KERNELS_ENV = "HF_SPECDEC_VERIFY_KERNELS"  # "0": CPU targets run with the model's own kernels (TargetRunner)
 
 
@@ -46,10 +49,14 @@ class TargetSession:
         hidden_states: ``hidden_states`` indices every forward must return (the proposer's), or ``None``.
         drafters: modules only drafting runs (:meth:`hf_specdec.proposers.Proposer.draft_modules`); a backend may
             give them faster kernels for the call.
+        rounding: how a half-precision verification rounds (the ``rounding`` option: ``"auto"``, ``"exact"``,
+            ``"fast"``; ``None``: ``"auto"``); a backend that computes as the model does ignores it.
     """
 
-    def __init__(self, runner: "TargetRunner", cache, hidden_states: list[int] | None = None, drafters=()):
+    def __init__(self, runner: "TargetRunner", cache, hidden_states: list[int] | None = None, drafters=(),
+                 rounding: str | None = None):
         self.runner = runner
+        self.rounding = rounding or "auto"
         self.model = runner.model
         self.cache = cache
         self.drafters = [d for d in drafters if isinstance(d, torch.nn.Module)]
@@ -213,7 +220,8 @@ class TargetRunner:
 
     def __init__(self, model):
         self.model = model
-        self.costs: dict[tuple[str, str, int], ForwardCostModel] = {}
+        self.costs: dict[tuple[str, str, int, str], ForwardCostModel] = {}
+        self.bits: dict[tuple[str, str, str], bool] = {}  # exact_bits verdicts (device type, dtype, rounding)
 
     @classmethod
     def applies_to(cls, model) -> bool:
@@ -225,15 +233,40 @@ class TargetRunner:
         """Relative forward costs assumed before any is measured."""
         return _CPU_OWN_PRIOR if device_type_of(self.model) == "cpu" else _GPU_PRIOR
 
-    def cost_model(self, batch_size: int) -> ForwardCostModel:
-        key = (device_type_of(self.model), str(self.model.dtype), batch_size)  # a model cast in place: new costs
+    def cost_model(self, batch_size: int, rounding: str | None = None) -> ForwardCostModel:
+        # a model cast in place: new costs; in half precision each rounding has its own (``exact`` may cost more)
+        rounding = (rounding or "auto") if self.model.dtype in HALF else ""
+        key = (device_type_of(self.model), str(self.model.dtype), batch_size, rounding)
         if key not in self.costs:
             self.costs[key] = ForwardCostModel(key[0], prior=self.cost_prior)
         return self.costs[key]
 
-    def session(self, cache, hidden_states: list[int] | None = None, drafters=()) -> TargetSession:
+    def session(self, cache, hidden_states: list[int] | None = None, drafters=(),
+                rounding: str | None = None) -> TargetSession:
         """The target for one ``generate`` call (a context manager)."""
-        return self.session_class(self, cache, hidden_states, drafters)
+        return self.session_class(self, cache, hidden_states, drafters, rounding)
+
+    def exact_bits(self, rounding: str | None = None) -> bool:
+        """Whether one row's verification through this runner gives every draft-tree node the bits of plain
+        decoding's one-token step (:func:`hf_specdec.exactness.probe_exact_bits`), probed once per dtype, device and
+        ``rounding``; a negative verdict is logged once."""
+        from .exactness import probe_exact_bits
+
+        key = (device_type_of(self.model), str(self.model.dtype), rounding or "auto")
+        if key in self.bits:
+            return self.bits[key]
+        with call_lock(self.model):  # the probe runs the model with the kernels installed, as a call does
+            if key in self.bits:
+                return self.bits[key]
+            self.bits[key] = probe_exact_bits(self, rounding)
+            if not self.bits[key]:
+                logger.warning(
+                    f"hf_specdec: in {key[1].removeprefix('torch.')} on this {key[0]}, a verification forward does "
+                    "not round as the model's own one-token steps (probed), so outputs equal the target's own "
+                    "decoding in this dtype only up to rounding" + (
+                        "; rounding='exact' makes them bit-identical, at a cost (docs/half-precision.md)"
+                        if key[2] == "auto" and self.name == "cpu_kernels" else "") + ". float32 is always identical.")
+        return self.bits[key]
 
 
 def _pieces(start: int, stop: int, cuts) -> list[tuple[int, int]]:

@@ -278,16 +278,11 @@ def test_cli_bench_in_bfloat16(tmp_path, monkeypatch, single_thread):
     assert "vs fp32 stock" in (out / "bench.md").read_text()
 
 
-def test_exact_key_runs_a_method_with_the_packed_half_precision_rounding():
-    """``NAME:exact=0``: the method with ``CpuKernelRunner.exact`` off for its calls only (restored after)."""
-    from hf_specdec.runners import runner_for
-
-    model = tiny_model("llama").to(torch.bfloat16)
-    fast, exact = build_methods(["prompt_lookup:exact=0", "prompt_lookup"])
-    assert fast.name == "prompt_lookup:exact=0" and exact.context is None
-    runner = runner_for(model)
-    with fast.context(model):
-        assert runner.exact is False
-    assert runner.exact is True
-    with pytest.raises(ValueError, match="exact is 0 or 1"):
-        build_methods(["prompt_lookup:exact=2"])
+def test_rounding_key_runs_a_method_with_that_half_precision_rounding():
+    """``NAME:rounding=fast|auto|exact`` (``exact=0`` / ``exact=1``: older names) is the method's ``rounding`` option;
+    a bad value names the choices."""
+    methods = build_methods(["prompt_lookup:exact=0", "prompt_lookup:rounding=exact", "prompt_lookup"])
+    assert [m.name for m in methods] == ["prompt_lookup:exact=0", "prompt_lookup:rounding=exact", "prompt_lookup"]
+    assert [m.kwargs["custom_generate"].defaults.get("rounding") for m in methods] == ["fast", "exact", None]
+    with pytest.raises(ValueError, match="rounding must be 'auto' or 'exact' or 'fast'"):
+        build_methods(["prompt_lookup:rounding=slow"])

@@ -189,12 +189,18 @@ class Recorder:
         self.ends += 1
 
 
-def test_streamer_batch_one(target):
+FORMS = {  # the folder form, and the callable (transformers keeps streamer= from it: recovered from generate())
+    "folder": lambda: dict(custom_generate=hf_specdec.custom_generate_path("prompt_lookup"), trust_remote_code=True),
+    "callable": lambda: dict(custom_generate=hf_specdec.decoding_method("prompt_lookup")),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_streamer_batch_one(target, form):
     ids, _ = prompts(1, 12)
     plain, spec = Recorder(), Recorder()
     ref = target.generate(ids, **GEN, streamer=plain)
-    out = target.generate(ids, **GEN, streamer=spec, custom_generate=hf_specdec.custom_generate_path("prompt_lookup"),
-                          trust_remote_code=True, draft_length_schedule="constant")
+    out = target.generate(ids, **GEN, streamer=spec, **FORMS[form](), draft_length_schedule="constant")
     assert torch.equal(out, ref)
     assert spec.ends == 1 and plain.ends == 1
     assert torch.equal(spec.puts[0], plain.puts[0])  # the prompt first
@@ -203,13 +209,13 @@ def test_streamer_batch_one(target):
     assert len(spec.puts) < len(plain.puts)  # accepted tokens arrive in blocks
 
 
-def test_streamer_batched_matches_plain_puts(target):
+@pytest.mark.parametrize("form", FORMS)
+def test_streamer_batched_matches_plain_puts(target, form):
     ids, mask = prompts(3, 12)
     plain, spec = Recorder(), Recorder()
     kw = dict(max_new_tokens=14, do_sample=False, eos_token_id=EOS, pad_token_id=0)
     ref = target.generate(input_ids=ids, attention_mask=mask, **kw, streamer=plain)
-    out = target.generate(input_ids=ids, attention_mask=mask, **kw, streamer=spec,
-                          custom_generate=hf_specdec.custom_generate_path("prompt_lookup"), trust_remote_code=True)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, streamer=spec, **FORMS[form]())
     assert torch.equal(out, ref)
     assert spec.ends == 1
     assert len(spec.puts) == len(plain.puts)

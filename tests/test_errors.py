@@ -37,6 +37,40 @@ def test_unknown_method_option():
         hf_specdec.decoding_method("eagle3", top_k=2, depth=4)
 
 
+MISSPELT = "Got unknown method option.*tree_depthh for 'eagle3'.*tree_depthh: did you mean tree_depth\\?.*the options of 'eagle3' are"
+
+
+def test_misspelt_option_in_every_entry_form(target):
+    """transformers would answer a misspelt option with its generic "model_kwargs are not used" (before a callable
+    even runs): every entry form gives the method's own message, naming the nearest option."""
+    from transformers import pipeline
+
+    from hf_specdec.cli import main
+    from tiny import word_tokenizer
+
+    ids, bad = prompts(1)[0], dict(tree_depthh=3)
+    forms = {
+        "callable, generate()": lambda: target.generate(ids, custom_generate=hf_specdec.decoding_method("eagle3"), **bad,
+                                                        **GEN),
+        "callable, decoding_method()": lambda: hf_specdec.decoding_method("eagle3", **bad),
+        "folder": lambda: target.generate(ids, custom_generate=hf_specdec.custom_generate_path("eagle3"),
+                                          trust_remote_code=True, **bad, **GEN),
+    }
+    pipe = pipeline("text-generation", model=target, tokenizer=word_tokenizer())
+    forms["pipeline, callable"] = lambda: pipe("abcabc", custom_generate=hf_specdec.decoding_method("eagle3"), **bad,
+                                               max_new_tokens=4)
+    forms["pipeline, folder"] = lambda: pipe("abcabc", custom_generate=hf_specdec.custom_generate_path("eagle3"),
+                                             trust_remote_code=True, **bad, max_new_tokens=4)
+    for form, call in forms.items():
+        with pytest.raises(ValueError, match=MISSPELT):
+            call()
+    with pytest.raises(SystemExit, match="--option: " + MISSPELT):
+        main(["generate", "hi", "--method", "eagle3", "-o", "tree_depthh=3"])
+    # a generation setting misspelt: the nearest setting; an argument transformers takes still reaches the model
+    with pytest.raises(ValueError, match="max_new_tokns: did you mean max_new_tokens \\(a generation setting\\)"):
+        target.generate(ids, custom_generate=hf_specdec.decoding_method("prompt_lookup"), max_new_tokns=3, **GEN)
+
+
 def test_missing_drafter(target):
     with pytest.raises(ValueError, match="assistant_model=.*drafter="):
         target.generate(prompts(1)[0], custom_generate=hf_specdec.custom_generate_path("assisted"),
@@ -240,14 +274,20 @@ def test_drafter_that_carries_no_tokenizer_information_warns(target, caplog):
     assert "cannot confirm" in caplog.text
 
 
-def test_streamer_dropped_by_the_callable_form_warns(target):
-    from transformers import TextStreamer
-
-    from tiny import word_tokenizer
-
-    with pytest.warns(UserWarning, match="does not pass streamer= to a custom_generate callable.*folder form"):
-        target.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("prompt_lookup"),
-                        streamer=TextStreamer(word_tokenizer()), **GEN)
+def test_assistant_model_given_to_generate_reaches_the_callable_form(target):
+    """transformers keeps assistant_model= from a custom_generate callable: it is recovered from generate(), so the
+    draft model is used (not answered with "pass assistant_model=", which the user just did)."""
+    draft = tiny_model("llama", seed=3)
+    ids = prompts(1)[0]
+    ref = target.generate(ids, **GEN)
+    out = target.generate(ids, custom_generate=hf_specdec.decoding_method("assisted"), assistant_model=draft,
+                          draft_length_schedule="constant", return_dict_in_generate=True, **GEN)
+    assert torch.equal(out.sequences, ref) and out.speculative_stats["proposed_drafts"] > 0
+    with pytest.raises(ValueError, match="once"):
+        target.generate(ids, custom_generate=hf_specdec.decoding_method("assisted", drafter=draft),
+                        assistant_model=draft, **GEN)
+    with pytest.raises(ValueError, match="takes no drafter"):
+        target.generate(ids, custom_generate=hf_specdec.decoding_method("prompt_lookup"), assistant_model=draft, **GEN)
 
 
 def test_shipped_drafter_by_repository_path_from_any_directory(tmp_path, monkeypatch):

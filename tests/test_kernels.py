@@ -208,66 +208,97 @@ def test_exact_half_attention_matches_one_token_steps(dtype, shape):
         assert torch.equal(out, _one_token_attention(query, key, value, allowed)), past
 
 
+def _bitwise_roundings(model):
+    """The half-precision roundings whose verification must give plain decoding's bits on this CPU: ``"exact"``
+    always; ``"auto"`` where the probe says so (:meth:`TargetRunner.exact_bits`: with AMX, yes; with AVX512-BF16
+    alone, not once a product is wider than 1024)."""
+    return ["exact"] + (["auto"] if runner_for(model).exact_bits("auto") else [])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("oracle", [OracleTree, OracleChain])
 def test_half_precision_verification_is_bitwise_plain_decoding(arch, oracle):
     """bf16, one row: every verified position's logits are the bits of the target's own one-token step, so the
-    output is plain greedy decoding's whatever the drafts (with the packed attention they are not: the control)."""
-    for exact in (True, False):
-        model = tiny_model(arch).to(torch.bfloat16)
-        runner_for(model).exact = exact
-        ids, mask = prompts(1, length=12, seed=3)
-        kw = dict(max_new_tokens=40, eos_token_id=None, do_sample=False, return_dict_in_generate=True,
-                  output_logits=True)
-        ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    output is plain greedy decoding's whatever the drafts; ``exact_bits`` reports the probe's verdict."""
+    model = tiny_model(arch).to(torch.bfloat16)
+    ids, mask = prompts(1, length=12, seed=3)
+    kw = dict(max_new_tokens=40, eos_token_id=None, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    for rounding in _bitwise_roundings(model):
         out = model.generate(input_ids=ids, attention_mask=mask, **kw,
-                             custom_generate=hf_specdec.decoding_method(oracle(ref.sequences)))
-        same = all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
-        assert same == exact, exact
-        if exact:
-            assert torch.equal(out.sequences, ref.sequences)
+                             custom_generate=hf_specdec.decoding_method(oracle(ref.sequences), rounding=rounding))
+        assert out.speculative_stats["exact_bits"] is True
+        assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits)), rounding
+        assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_half_precision_layerskip_resumes_from_exact_early_layers():
     """LayerSkip's verification resumes from the activations its drafting computed with the target's own first
     layers: those round as plain decoding's steps too (bf16, one row), so the logits are plain decoding's bits."""
-    # the real model's head shape (9 heads over 3 key/value heads of 64): the packed attention rounds differently there
+    # the real model's head shape (9 heads over 3 key/value heads of 64) and an MLP wider than 1024, as SmolLM2's
     model = tiny_model("llama", layers=4, hidden=576, num_attention_heads=9, num_key_value_heads=3).to(torch.bfloat16)
     ids, mask = prompts(1, length=12, seed=3)
     kw = dict(max_new_tokens=40, eos_token_id=None, do_sample=False, return_dict_in_generate=True, output_logits=True)
     ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
-    out = model.generate(input_ids=ids, attention_mask=mask, **kw, exit_layer=2, num_speculative_tokens=3,
-                         draft_length_schedule="constant", custom_generate=hf_specdec.decoding_method("layerskip"))
-    assert out.speculative_stats["proposed_drafts"] > 0
-    assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
+    for rounding in _bitwise_roundings(model):
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw, exit_layer=2, num_speculative_tokens=3,
+                             draft_length_schedule="constant", rounding=rounding,
+                             custom_generate=hf_specdec.decoding_method("layerskip"))
+        assert out.speculative_stats["proposed_drafts"] > 0 and out.speculative_stats["exact_bits"] is True
+        assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits)), rounding
+
+
+def test_probe_finds_a_product_that_rounds_unlike_one_row(monkeypatch):
+    """The exactness probe's negative control: a verification product off by one part in a hundred is reported
+    (``exact_bits`` False, a warning saying so), whatever this CPU's own products do; float32 reports ``None``."""
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: real_linear(x, w, b) * (1.01 if x.shape[0] > 1 else 1))
+    monkeypatch.setattr(kernels._LinearChoice, "force", False)  # F.linear for every product
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert runner_for(model).exact_bits("auto") is False
+    ids, mask = prompts(1, length=12, seed=3)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         return_dict_in_generate=True, custom_generate=hf_specdec.decoding_method("prompt_lookup"))
+    assert out.speculative_stats["exact_bits"] is False
+    monkeypatch.undo()
+    fp32 = model.float().generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                  return_dict_in_generate=True,
+                                  custom_generate=hf_specdec.decoding_method("prompt_lookup"))
+    assert fp32.speculative_stats["exact_bits"] is None
 
 
 def test_linear_choice_keeps_the_product_that_rounds_as_one_row(monkeypatch):
-    """``exact`` (a target layer in half precision): a product whose rows round unlike a one-row F.linear is never
-    used, however fast -- not even while the two are timed."""
+    """A target layer in half precision: a product whose rows round unlike a one-row F.linear is never used, however
+    fast -- not even while the two are timed; where neither product holds, ``"exact"`` computes one row at a time."""
     real_mm, real_linear = kernels._mm_t, F.linear
     weight, x = torch.randn(64, 16).bfloat16(), torch.randn(3, 16).bfloat16()
     one_row = torch.cat([F.linear(x[i:i + 1], weight) for i in range(3)])
-    for wrong in ("mm", "linear"):
+    for wrong in ("mm", "linear", "both"):
         with monkeypatch.context() as m:  # the "faster" product is wrong in the bits
-            if wrong == "mm":
+            if wrong in ("mm", "both"):
                 m.setattr(kernels, "_mm_t", lambda x, w, b: real_mm(x, w, b) * 1.01)
-            else:
+            if wrong in ("linear", "both"):
                 m.setattr(F, "linear", lambda x, w, b=None: real_linear(x, w, b) * (1.01 if x.shape[0] > 1 else 1))
-            choice = kernels._LinearChoice()
-            for _ in range(2 * kernels._TRIALS):
-                assert torch.equal(choice(x, weight, None, exact=True), one_row)
-            assert list(choice.choice.values()) == [wrong == "linear"]
+            for rounding in ("auto", "exact"):
+                choice = kernels._LinearChoice()
+                for _ in range(2 * kernels._TRIALS):
+                    out = choice(x, weight, None, rounding)
+                    assert torch.equal(out, one_row) != (wrong == "both" and rounding == "auto")
+                expected = {"mm": "linear", "linear": "mm", "both": "rows" if rounding == "exact" else "linear"}
+                assert list(choice.choice.values()) == [expected[wrong]]
 
 
-@pytest.mark.parametrize("rows", [8, 33])
-def test_exact_products_round_as_one_row_on_this_cpu(rows):
-    """The real shapes of SmolLM2 in bf16: every row of every call equals plain decoding's one-row product (past 32
-    rows oneDNN's F.linear does not, on this project's CPU, and the transposed product is taken)."""
+@pytest.mark.parametrize("rows", [2, 5, 8, 33])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536)])
+def test_exact_products_round_as_one_row(rows, shape):
+    """SmolLM2's MLP shapes in bf16, ``rounding="exact"``: every row of every call equals plain decoding's one-row
+    product, on any CPU (with AVX512-BF16 alone, the products over several rows of the 1536-wide input round some
+    rows otherwise: one row at a time there)."""
     gen = torch.Generator().manual_seed(0)
-    weight = (torch.randn(1536, 576, generator=gen) / 24).bfloat16()
-    x = torch.randn(rows, 576, generator=gen).bfloat16()
-    one_row = torch.cat([F.linear(x[i:i + 1], weight) for i in range(rows)])
+    weight = (torch.randn(*shape, generator=gen) / 24).bfloat16()
     choice = kernels._LinearChoice()
     for _ in range(2 * kernels._TRIALS + 1):
-        assert torch.equal(choice(x, weight, None, exact=True), one_row)
+        x = torch.randn(rows, shape[1], generator=gen).bfloat16()
+        parts = x.split(kernels._MAX_ROWS)  # as VerifyKernels calls it: at most 32 rows at a time
+        out = torch.cat([choice(part, weight, None, "exact") for part in parts])
+        assert torch.equal(out, torch.cat([F.linear(x[i:i + 1], weight) for i in range(rows)]))

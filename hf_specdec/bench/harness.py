@@ -258,22 +258,7 @@ def fp32_baseline(model32) -> BenchMethod:
     return BenchMethod(FP32_BASELINE, model=model32.eval())
 
 
-EXACT_KEY = "exact"  # NAME:exact=0 -- the method with the CPU kernel runner's faster half-precision rounding
-
-
-@contextlib.contextmanager
-def _packed_rounding(model):
-    """Inside, one row's half-precision verification takes the packed attention: faster, and it rounds unlike the
-    one-token steps (``CpuKernelRunner.exact = False``)."""
-    runner = runner_for(model)
-    if not hasattr(runner, "exact"):  # the plain runner: the model's own attention already
-        yield
-        return
-    before, runner.exact = runner.exact, False
-    try:
-        yield
-    finally:
-        runner.exact = before
+EXACT_ALIASES = {"exact=0": "rounding=fast", "exact=1": "rounding=auto"}  # the bench's older spelling of rounding=
 
 
 def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMethod]:
@@ -283,9 +268,8 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
     lists them: e.g. ``eagle3:2-3-4``, ``eagle3_chain:3``, ``dflash_fixed:8``, ``prompt_lookup:prompt_lookup_num_tokens=8``),
     or a baseline: ``plain`` (always run), ``plain_kernels`` (plain greedy decoding with the loop's CPU kernel trick),
     ``oracle:K``, ``hf_prompt_lookup:K``, ``hf_assisted``, ``hf_early_exit:E`` (transformers'
-    ``assistant_early_exit=E``). ``KEY=VALUE`` ``exact=0`` runs a method with the CPU kernel runner's packed
-    half-precision attention (:attr:`~hf_specdec.kernels.CpuKernelRunner.exact` off: faster, identical to plain
-    decoding only up to rounding). ``suffix_cache=shared`` / ``hybrid=shared`` give the method one
+    ``assistant_early_exit=E``). ``KEY=VALUE`` ``rounding=fast|auto|exact`` runs a method with that half-precision
+    rounding (the ``rounding`` option; ``exact=0`` / ``exact=1`` are older names of ``rounding=fast`` / ``auto``). ``suffix_cache=shared`` / ``hybrid=shared`` give the method one
     :class:`~hf_specdec.SuffixCache` for all its calls of a prompt set (emptied after the warm-up and when the next
     set starts, so a prompt only ever drafts from the outputs of earlier prompts). ``drafters`` gives a method's drafter (a module) by its
     CLI flag, which is the method's name unless its record says otherwise (``drafter`` for ``assisted``; it is also
@@ -302,11 +286,7 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
             methods.append(entry)
             continue
         check_method_name(name)
-        parts = name.split(":")
-        rounding = [p for p in parts if p.startswith(f"{EXACT_KEY}=")]  # the runner's, not a method option
-        record, opts = registry.parse_spec(":".join(p for p in parts if p not in rounding))
-        if rounding and rounding[-1] not in (f"{EXACT_KEY}=0", f"{EXACT_KEY}=1"):
-            raise ValueError(f"{name!r}: {EXACT_KEY} is 0 or 1.")
+        record, opts = registry.parse_spec(":".join(EXACT_ALIASES.get(p, p) for p in name.split(":")))
         if record.drafter is not None:
             flag = record.drafter_flag
             module = by_flag.get(flag)
@@ -321,8 +301,7 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
                 opts[key] = SuffixCache()
                 caches.append(opts[key])
         methods.append(BenchMethod(name, {"custom_generate": decoding_method(record.name, **opts)}, hf_specdec=True,
-                                   caches=tuple(caches),
-                                   context=_packed_rounding if rounding == [f"{EXACT_KEY}=0"] else None))
+                                   caches=tuple(caches)))
     return methods
 
 
@@ -683,6 +662,8 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                     rows[-1][key] = statistics.median(b["seconds"] / r["seconds"] for b, r in pairs)
             if half:
                 rows[-1]["match_rate"] = sum(r["identical"] for r in mine) / len(mine)
+                bits = {r["stats"].get("exact_bits") for r in mine if r.get("stats")}
+                rows[-1]["exact_bits"] = None if not bits or None in bits else "yes" if bits == {True} else "no"
     return rows
 
 
@@ -693,9 +674,9 @@ _COLUMNS = (  # (header, summary key, format); a trailing "x" in the format is w
     ("vs plain_kernels (median)", "speedup_vs_kernels", ".2fx"), ("vs fp32 stock (median)", "speedup_vs_fp32", ".2fx"),
     ("ceiling", "ceiling", ".2f"), ("efficiency", "efficiency", ".2f"), ("draft share", "draft_share", ".1%"),
     ("loop overhead", "loop_overhead", ".1%"), ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
-    ("mismatches", "mismatches", "d"), ("match", "match_rate", ".0%"),
+    ("mismatches", "mismatches", "d"), ("match", "match_rate", ".0%"), ("exact bits", "exact_bits", ""),
 )
-_OPTIONAL_COLUMNS = ("speedup_vs_kernels", "speedup_vs_fp32", "match_rate")  # shown when a row has them
+_OPTIONAL_COLUMNS = ("speedup_vs_kernels", "speedup_vs_fp32", "match_rate", "exact_bits")  # shown when a row has them
 _LOADED_COLUMNS = ("tau", "proposed_drafts", "tokens_per_s", "speedup_median", "speedup_vs_kernels", "speedup_vs_fp32",
                    "mismatches", "match_rate")
 
@@ -730,7 +711,9 @@ def markdown(result: dict) -> str:
     if any("match_rate" in r for r in summary):
         lines.append("")
         lines.append("Half precision: outputs identical to plain decoding up to rounding; match: the share of runs "
-                     "token-identical to plain generate() in the same dtype"
+                     "token-identical to plain generate() in the same dtype; exact bits: whether the method's "
+                     "verification gives the bits of the target's own one-token steps on this machine (probed, "
+                     "speculative_stats['exact_bits']; yes: identical by construction, not by chance)"
                      + ("; vs fp32 stock: the speedup over stock generate() on the float32 target (plain_fp32)."
                         if any("speedup_vs_fp32" in r for r in summary) else "."))
     mode = (result.get("background_load") or {}).get("mode", "off")
