@@ -49,3 +49,40 @@ def _gate_open(request, monkeypatch):
         from hf_specdec.costs import SpeculationGate
 
         monkeypatch.setattr(SpeculationGate, "THRESHOLD", 0.0)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--jittered-clock", type=int, nargs="?", const=1, default=None, metavar="SEED",
+                     help="time.perf_counter jumps ahead at random (up to 50 ms a read), as on a very busy machine: "
+                          "a test that passes only with fair timings depends on timing (none may)")
+
+
+@pytest.fixture(autouse=True)
+def _jittered_clock(request, monkeypatch):
+    """With ``--jittered-clock``: every read of ``time.perf_counter`` (which the loop's cost model, the proposers'
+    back-off and the kernel choice use) adds a random delay, seeded per test."""
+    seed = request.config.getoption("--jittered-clock")
+    if seed is None:
+        return
+    import random
+    import time
+
+    rng, real, extra = random.Random(f"{seed}:{request.node.nodeid}"), time.perf_counter, [0.0]
+
+    def perf_counter():
+        if rng.random() < 0.3:
+            extra[0] += rng.uniform(0.0, 0.05)
+        return real() + extra[0]
+
+    monkeypatch.setattr(time, "perf_counter", perf_counter)
+
+
+@pytest.fixture()
+def steady_clock(monkeypatch):
+    """``time.perf_counter`` advances 1 ms per read, whatever the machine does: measured times are counts of reads,
+    the same on every run (for a test of a rule that reads measured times; none may depend on real timing)."""
+    import itertools
+    import time
+
+    ticks = itertools.count()
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)

@@ -193,7 +193,7 @@ def test_gates_are_per_method(monkeypatch):
 
 
 @pytest.mark.gated
-def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch):
+def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch, steady_clock):
     """A random drafter on a batch: the gate turns speculation off after a window of steps, for later calls too,
     and the output is plain greedy decoding's."""
     import hf_specdec

@@ -1,7 +1,7 @@
 """The suffix index behind suffix decoding, against a brute-force n-gram search on random sequences."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_specdec.proposers.suffix import SuffixIndex
@@ -21,7 +21,7 @@ def _nodes(node):
 sequences = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=30), min_size=1, max_size=4)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=sequences, depth=st.integers(2, 6), chunks=st.integers(1, 4), drop=st.integers(0, 3),
        patterns=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=6), min_size=1, max_size=10))
 def test_counts_equal_brute_force_after_appends_and_removal(seqs, depth, chunks, drop, patterns):
@@ -44,7 +44,7 @@ def test_counts_equal_brute_force_after_appends_and_removal(seqs, depth, chunks,
         assert index.root.count == 0 and not index.root.children
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(seq=st.lists(st.integers(0, 3), min_size=2, max_size=40), depth=st.integers(3, 6),
        tail=st.integers(1, 5), tree=st.booleans())
 def test_drafts_follow_the_counts(seq, depth, tail, tree):

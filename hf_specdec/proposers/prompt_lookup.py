@@ -90,7 +90,7 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, state):
         self.pending = self.row_drafts(state)
-        return tree_from_row_drafts(state, self.pending)
+        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive)  # constant: every row its most
 
     def commit(self, state, tree, result) -> None:
         self.learn(self.pending, result)

@@ -453,7 +453,7 @@ class SuffixProposer(Proposer):
 
     def propose(self, state):
         self.pending = self.row_drafts(state)
-        return tree_from_row_drafts(state, self.pending)
+        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive)  # constant: every row its most
 
     def commit(self, state, tree, result) -> None:
         for b, new in enumerate(result.new_tokens):
