@@ -303,12 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_methods)
 
     p = add("demo", "speculative vs plain generation on SmolLM2-135M-Instruct: checks the outputs are identical and "
-                    "prints tokens/s, acceptance length and the speedup. By default a quick run (a few minutes on 2 "
-                    "cores): " + ", ".join(QUICK_METHODS) + " on a copy prompt and a word problem, once each; "
+                    "prints tokens/s, acceptance length and the speedup. By default a quick run (about a minute on 2 "
+                    "idle cores): " + ", ".join(QUICK_METHODS) + " on a copy prompt and a word problem, once each; "
                     "--thorough runs every method on every prompt with repeats")
     p.add_argument("--thorough", action="store_true",
                    help=f"every method the default model has a drafter for, on all {len(demo_prompts())} demo prompts, "
-                        f"{THOROUGH_REPEATS} interleaved repeats each with noisy / disturbed marks (20-48 minutes on "
+                        f"{THOROUGH_REPEATS} interleaved repeats each with noisy / disturbed marks (17-48 minutes on "
                         "2 cores)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
     p.add_argument("--methods", type=_method_list, default=None, metavar="M1,M2",

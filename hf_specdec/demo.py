@@ -2,8 +2,8 @@
 
 Two sizes. By default (the quick demo) a few methods (:data:`QUICK_METHODS`: prompt lookup, EAGLE-3 and DFlash with
 their shipped drafters) run on two prompts (:data:`QUICK_PROMPTS`: one that copies from its prompt, one word
-problem), each generation once: the first comparison is printed within a minute of loading, the whole run takes a
-few minutes on a 2-core CPU. ``thorough=True`` (``hf-specdec demo --thorough``) runs every method the default model
+problem), each generation once: on an idle 2-core CPU the first comparison is printed about 15 s after the model has
+loaded and the whole run takes about a minute. ``thorough=True`` (``hf-specdec demo --thorough``) runs every method the default model
 has a drafter for on every demo prompt, :data:`THOROUGH_REPEATS` times each. ``methods`` and ``repeats`` change
 either.
 
