@@ -201,7 +201,10 @@ def render_doc_block(method: str | registry.Method) -> str:
         lines += ["", f"**Drafter** ({d.doc}, {'required' if d.required else 'optional'}; `--{m.drafter_flag} FOLDER` in "
                   "`demo` / `bench`):", ""]
         lines += [f"- {fact}" for fact in facts]
-    lines += ["", "| argument | default | meaning |", "|---|---|---|", *option_rows(m)]
+    loop = [f"| `{o.name}` | – | every method (the loop's option): {o.doc}"
+            + (f" (one of {', '.join(repr(c) for c in o.choices)})" if o.choices else "") + " |"
+            for o in registry.LOOP_OPTIONS]
+    lines += ["", "| argument | default | meaning |", "|---|---|---|", *option_rows(m), *loop]
     if m.shorthands:
         lines += ["", "`hf-specdec bench` method strings: "
                   + ", ".join(f"`{short}{':' + s.arg if s.arg else ''}`" for short, s in m.shorthands.items())
