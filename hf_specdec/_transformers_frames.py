@@ -1,8 +1,8 @@
 """What a ``custom_generate`` callable cannot see: the arguments of the ``generate()`` call that runs it.
 
-transformers (checked: 5.24.0) hands a decoding callable only the arguments its signature names, validates every other
-one against the model before the callable runs, and keeps ``streamer`` / ``assistant_model`` to itself. These read the
-calling frames of ``GenerationMixin.generate`` (by function name and local variable names) to give the library's own
+transformers (checked: 5.24.0, 5.25.0) hands a decoding callable only the arguments its signature names, validates
+every other one against the model before the callable runs, and keeps ``streamer`` / ``assistant_model`` to itself.
+These read the calling frames of ``GenerationMixin.generate`` (by function name and local variable names) to give the library's own
 answer instead; each returns ``None`` / ``{}`` where the frames are not there (another version, another caller).
 """
 

@@ -91,6 +91,16 @@ def demo_prompts() -> list[tuple[str, str]]:
     ]
 
 
+def half_verdict(model, rounding: str = "auto") -> str:
+    """What the exactness probe says of ``model`` in its half-precision dtype on this machine (one row)."""
+    from .runners import runner_for
+
+    if runner_for(model).exact_bits(rounding):
+        return f"probed: one row verifies with the bits of {dtype_name(model.dtype)} one-token steps (bit-identical)"
+    return (f"probed: one row's verification does not round as {dtype_name(model.dtype)} one-token steps here, "
+            "so outputs may differ in the last rounding (rounding='exact' makes them bit-identical)")
+
+
 def _encode(tokenizer, prompt):
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)
@@ -353,7 +363,7 @@ def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats
                  f"{_plural(len(chosen), 'method')} x {_plural(repeats, 'repeat')}")
     say(plan)
     if dtype in HALF:
-        say(HALF_NOTE)
+        say(HALF_NOTE + "; " + half_verdict(model))
 
     rows = []
     started = time.perf_counter()

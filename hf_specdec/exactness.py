@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from . import cache as cache_ops
 from .tree import build_attention_mask
 
-PROBE_PAST = 24  # prompt tokens before each tree
+PROBE_PAST = 160  # prompt tokens before each tree (the attention's rounding can change with the key count)
 PROBE_TREES = ((5, 0.0), (13, 0.5), (34, 0.5))  # (nodes, share of nodes that branch off an earlier node)
 
 

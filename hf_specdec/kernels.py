@@ -51,6 +51,7 @@ _MAX_ROWS = 32
 _MAX_EXACT_ROWS = 256
 _TRIALS = 7  # timed calls of each product per shape before the faster is kept
 _CHECK_ROWS = 64  # rows a product must give one-row bits for (half precision, _LinearChoice._rounding)
+_CHECK_CALLS = 8  # rounding="exact": real calls per shape also checked row by row (_LinearChoice._checked)
 
 
 class _LinearChoice:
@@ -65,6 +66,7 @@ class _LinearChoice:
     def __init__(self):
         self.times: dict[tuple, tuple[list[float], list[float]]] = {}
         self.choice: dict[tuple, str] = {}
+        self.checked: dict[tuple, int] = {}  # rounding="exact": real calls of a key whose rows were checked
 
     def __call__(self, x2: torch.Tensor, weight: torch.Tensor, bias, rounding: str | None = None) -> torch.Tensor:
         """``x2 [rows, in] @ weight.T (+ bias)`` by the faster product. ``rounding`` (a target layer in half
@@ -73,7 +75,8 @@ class _LinearChoice:
         key = (tuple(weight.shape), x2.shape[0], weight.dtype, torch.get_num_threads(), rounding)
         use = self.choice.get(key) if self.force is None else ("mm" if self.force else "linear")
         if use is not None:
-            return _product(use, x2, weight, bias)
+            out = _product(use, x2, weight, bias)
+            return self._checked(key, x2, weight, bias, out) if rounding == "exact" and use != "rows" else out
         plain, mm = self.times.setdefault(key, ([], []))
         if rounding is not None and not plain:
             out = self._rounding(key, x2, weight, bias, rounding)
@@ -85,20 +88,39 @@ class _LinearChoice:
         (mm if try_mm else plain).append(time.perf_counter() - t0)
         if len(mm) >= _TRIALS:  # medians of interleaved calls: one disturbed call does not decide
             self.choice[key] = "mm" if statistics.median(mm) < 0.9 * statistics.median(plain) else "linear"
-        return out
+        return self._checked(key, x2, weight, bias, out) if rounding == "exact" else out
+
+    def _checked(self, key, x2, weight, bias, out) -> torch.Tensor:
+        """``rounding="exact"``: the first :data:`_CHECK_CALLS` real calls of a key are compared with one row at a
+        time, and a product that rounds a row otherwise is never used again (this call returns the one-row result):
+        real activations find what random ones may not."""
+        seen = self.checked.get(key, 0)
+        if seen >= _CHECK_CALLS:
+            return out
+        single = _one_row_each(x2, weight, bias)
+        if torch.equal(out, single):
+            self.checked[key] = seen + 1
+            return out
+        self.choice[key], self.checked[key] = "rows", _CHECK_CALLS
+        return single
 
     def _rounding(self, key, x2, weight, bias, rounding: str) -> torch.Tensor | None:
         """First call of a shape: does each product give every row the bits of plain decoding's one-row
         ``F.linear``? With AMX in bf16 both do up to 32 rows (past 32 neither always does: the caller splits); with
-        AVX512-BF16 alone neither does once the input is wider than 1024 -- for some inputs only (a row's partial sums
-        round alike or not), so a product is checked on this input and on random ones of the same scale, at least
-        :data:`_CHECK_ROWS` rows in all. Where only one product holds, it is chosen now (and its output returned);
-        where neither does, ``F.linear`` (``"auto"``) or one row at a time (``"exact"``); where both do, ``None``:
-        the timing decides."""
+        AVX512-BF16 alone they sum in another order, which rounds a row otherwise for some inputs only (often once
+        the input is wider than 1024; at a width of 32 too, for activations of a wide range). So a product is checked
+        on this input and on random ones of a wide range of magnitudes, at least :data:`_CHECK_ROWS` rows in all.
+        Where only one product holds, it is chosen now (and its output returned); where neither does, ``F.linear``
+        (``"auto"``) or one row at a time (``"exact"``); where both do, ``None``: the timing decides."""
         rows, gen = x2.shape[0], torch.Generator().manual_seed(0)
         scale = x2.float().std().nan_to_num(1.0).item() or 1.0
-        inputs = [x2] + [(torch.randn(rows, x2.shape[1], generator=gen) * scale).to(x2.dtype).to(x2.device)
-                         for _ in range(-(-_CHECK_ROWS // rows) - 1)]
+
+        def wide():  # normal values times log-normal magnitudes: partial sums that need every bit
+            x = torch.randn(rows, x2.shape[1], generator=gen) * torch.exp(2 * torch.randn(rows, x2.shape[1],
+                                                                                             generator=gen))
+            return (x * scale).to(x2.dtype).to(x2.device)
+
+        inputs = [x2] + [wide() for _ in range(-(-_CHECK_ROWS // rows) - 1)]
         singles = [_one_row_each(x, weight, bias) for x in inputs]
         outs = {name: [_product(name, x, weight, bias) for x in inputs] for name in ("linear", "mm")}
         exact = [name for name, out in outs.items() if all(map(torch.equal, out, singles))]
@@ -152,23 +174,23 @@ class _ExactRows:
 
     In bf16 / fp16 a verification forward diverges from plain decoding unless every product rounds as in the
     one-token step: the CPU's flash-attention kernel gives a query different bits depending on how many query rows
-    it processes together and on how many full vector widths (:attr:`lanes` keys) its key row spans; the linear
-    layers do not (up to 32 rows the products are row-independent; :class:`_LinearChoice` checks it). So each query token runs as
-    plain decoding runs it -- one query over exactly its own keys (``enable_gqa``, no repeated heads) -- with the
-    tokens as rows of the batch dimension, one call per group of queries whose key counts share a vector count (a
-    chain of 16 tokens: one or two calls per layer). A query whose keys are not a prefix of the cache (a branch of a
-    draft tree) gets its keys gathered into the order plain decoding would hold them in.
+    it processes together and on how many keys its call spans (masked ones included: a query grouped with longer ones
+    rounds otherwise for some real keys, seen on an AVX512-BF16 CPU past 130 keys); the linear layers' products are
+    checked by :class:`_LinearChoice`. So each query token runs as plain decoding runs it -- one query over exactly its
+    own keys (``enable_gqa``, no repeated heads, no mask) -- with the queries that have the same number of keys as
+    rows of the batch dimension of one call (siblings of a draft tree; a chain of ``q`` tokens: ``q`` calls per
+    layer, which cost no more than grouped ones in ``benchmarks/RESULTS.md``). A query whose keys are not a prefix of
+    the cache (a branch of a draft tree) gets its keys gathered into the order plain decoding would hold them in.
 
-    :attr:`lanes` is measured once per process, dtype and head shape (:func:`_exact_lanes`), not assumed. One per
-    :class:`VerifyKernels`; the plan is computed once per forward (every layer gets the same mask).
+    One per :class:`VerifyKernels`; the plan is computed once per forward (every layer gets the same mask).
     """
 
     def __init__(self):
         self.last: tuple = (None, None)  # (mask, plan)
 
-    def plan(self, attention_mask: torch.Tensor, lanes: int):
-        """``[(rows [n], width, mask [n, 1, 1, width] or None, columns [n, width] or None)]`` for the query rows of
-        ``attention_mask [1, 1, q, K]``."""
+    def plan(self, attention_mask: torch.Tensor):
+        """``[(rows [n], width, columns [n, width] or None)]`` for the query rows of ``attention_mask [1, 1, q, K]``:
+        each group's queries see ``width`` keys, the first ``width`` of the cache or the gathered ``columns``."""
         if self.last[0] is attention_mask:
             return self.last[1]
         allowed = attention_mask[0, 0] == 0  # [q, K]
@@ -178,24 +200,16 @@ class _ExactRows:
         plan = []
         groups: dict[tuple, list[int]] = {}
         for i, n in enumerate(counts.tolist()):
-            groups.setdefault((prefix[i], n // lanes), []).append(i)
-        for (is_prefix, _), rows in groups.items():
-            width = int(counts[rows].max())
+            groups.setdefault((prefix[i], n), []).append(i)
+        for (is_prefix, width), rows in groups.items():
             index = torch.tensor(rows, device=attention_mask.device)
-            # consecutive rows (a chain): a slice, read and written without copies
+            # consecutive rows: a slice, read and written without copies
             where = slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[-1] + 1)) else index
             columns = None
-            if is_prefix:
-                ok = allowed[index, :width]  # [n, width]
-            else:  # the allowed keys of each row, in cache order (ancestors follow their parents), padded
-                ok = torch.arange(width, device=index.device)[None] < counts[index][:, None]
-                columns = torch.sort(torch.where(allowed[index], 0, 1), dim=1, stable=True).indices[:, :width]
-                columns = columns.masked_fill(~ok, 0)
-            mask = None
-            if not bool(ok.all()):
-                mask = torch.zeros(ok.shape, dtype=attention_mask.dtype, device=ok.device)
-                mask = mask.masked_fill_(~ok, torch.finfo(attention_mask.dtype).min)[:, None, None, :]
-            plan.append((where, width, mask, columns))
+            if not is_prefix:  # the allowed keys of each row, in cache order (ancestors follow their parents)
+                order = torch.sort(torch.where(allowed[index], 0, 1), dim=1, stable=True).indices
+                columns = order[:, :width].contiguous()
+            plan.append((where, width, columns))
         self.last = (attention_mask, plan)
         return plan
 
@@ -209,7 +223,7 @@ def _exact_attention(query, key, value, plan, scaling, groups: int) -> torch.Ten
     heads, q_len = query.shape[1], query.shape[2]
     gqa = {"enable_gqa": True} if groups > 1 else {}
     out = None
-    for rows, width, mask, columns in plan:
+    for rows, width, columns in plan:
         sliced = isinstance(rows, slice)
         q = (query[0, :, rows] if sliced else query[0].index_select(1, rows)).transpose(0, 1)[:, :, None]
         n = q.shape[0]  # q: [n, H, 1, D]
@@ -219,7 +233,7 @@ def _exact_attention(query, key, value, plan, scaling, groups: int) -> torch.Ten
         else:  # [n, Hkv, width, D]: gathered
             k = key[0].index_select(1, columns.view(-1)).view(key.shape[1], n, width, -1).transpose(0, 1)
             v = value[0].index_select(1, columns.view(-1)).view(value.shape[1], n, width, -1).transpose(0, 1)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, **gqa)[:, :, 0]  # [n, H, Dv]
+        o = F.scaled_dot_product_attention(q, k, v, scale=scaling, **gqa)[:, :, 0]  # [n, H, Dv]
         if n == q_len:
             return o[None]  # one group: every row, in order
         if out is None:
@@ -229,48 +243,6 @@ def _exact_attention(query, key, value, plan, scaling, groups: int) -> torch.Ten
         else:
             out.index_copy_(0, rows, o)
     return out[None]
-
-
-_LANES: dict[tuple, int] = {}
-_LANES_LOCK = threading.Lock()
-
-
-def _exact_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> int:
-    """The width ``W`` such that queries whose key counts share ``count // W`` get the same bits from one batched
-    call (masked to each one's keys) as from their own one-query calls; 1 (every query alone) when no width does.
-    Measured once per process on random inputs: it depends on the CPU's vector width and the kernel's blocking."""
-    key_ = (dtype, heads, kv_heads, head_dim)
-    lanes = _LANES.get(key_)
-    if lanes is None:
-        with _LANES_LOCK:  # once: threads that come meanwhile wait for the measurement
-            if key_ not in _LANES:
-                _LANES[key_] = _measure_lanes(dtype, heads, kv_heads, head_dim)
-        lanes = _LANES[key_]
-    return lanes
-
-
-def _measure_lanes(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> int:
-    gen = torch.Generator().manual_seed(0)
-    trials = [(int(torch.randint(1, 700, (1,), generator=gen)), int(torch.randint(2, 17, (1,), generator=gen)))
-              for _ in range(24)]
-    groups = heads // kv_heads
-    gqa = {"enable_gqa": True} if groups > 1 else {}
-    cases = []
-    for past, q in trials:
-        k, v = (torch.randn(1, kv_heads, past + q, head_dim, generator=gen).to(dtype) for _ in range(2))
-        query = torch.randn(1, heads, q, head_dim, generator=gen).to(dtype)
-        ref = torch.cat([F.scaled_dot_product_attention(query[:, :, i:i + 1], k[:, :, :past + i + 1],
-                                                        v[:, :, :past + i + 1], **gqa) for i in range(q)], 2)
-        allowed = torch.ones(q, past + q, dtype=torch.bool).tril(past)
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        cases.append((query, k, v, ref.transpose(1, 2), mask[None, None]))
-    lanes = 1
-    for width in (16, 8, 32, 4):
-        if all(torch.equal(_exact_attention(query, k, v, _ExactRows().plan(mask, width), None, groups),
-                           ref) for query, k, v, ref, mask in cases):
-            lanes = width
-            break
-    return lanes
 
 
 def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -284,8 +256,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     if (exact is not None and query.dtype in HALF and query.shape[0] == 1 and isinstance(attention_mask, torch.Tensor)
             and attention_mask.dim() == 4 and not module.training
             and all(kwargs.get(name) is None for name in ("softcap", "position_bias", "s_aux", "sinks"))):
-        plan = exact.plan(attention_mask, _exact_lanes(query.dtype, query.shape[1], key.shape[1], query.shape[3]))
-        return _exact_attention(query, key, value, plan, scaling, groups), None
+        return _exact_attention(query, key, value, exact.plan(attention_mask), scaling, groups), None
     plain = (
         groups <= 1 or q_len <= 1 or attention_mask is None or not isinstance(attention_mask, torch.Tensor)
         or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or module.training
@@ -382,6 +353,7 @@ class VerifyKernels:
         self.active = False
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
+        self.rotaries: list[torch.nn.Module] = []  # half precision: rotary embeddings computed one position at a time
         self.configs: list = []
         self.config_ids: set[int] = set()  # of self.configs: the layers _switched_attention runs our attention for
         self.thread: int | None = None  # the thread that installed the kernels: the only one whose forwards use them
@@ -400,6 +372,11 @@ class VerifyKernels:
             for module in plain_cpu_linears(drafter):  # skips the target's (already replaced) shared layers
                 module.forward = self._linear_forward(module, always=True)
                 self.linears.append(module)
+        if self.exact is not None:
+            for module in self.model.modules():
+                if type(module).__name__.endswith("RotaryEmbedding") and "forward" not in module.__dict__:
+                    module.forward = self._rotary_forward(module)
+                    self.rotaries.append(module)
         if _register_attention():
             for module in self.model.modules():
                 config = getattr(module, "config", None)
@@ -410,9 +387,9 @@ class VerifyKernels:
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in self.linears:
+        for module in self.linears + self.rotaries:
             module.__dict__.pop("forward", None)
-        self.linears = []
+        self.linears, self.rotaries = [], []
         self.configs = []
         self.config_ids = set()
         if self.thread is not None:
@@ -434,6 +411,20 @@ class VerifyKernels:
             else:
                 out = self.choice(x2, weight, module.bias, rounding)
             return out.reshape(*x.shape[:-1], weight.shape[0])
+        return forward
+
+    def _rotary_forward(self, module: torch.nn.Module):
+        """A rotary embedding's ``(cos, sin)`` one position at a time inside a verification or proposal: the cosine of
+        a vector of positions takes the CPU's vector path for some elements and the scalar one for the rest, so a
+        position's bits could depend on how many share the call (seen with 4 frequencies, a head size of 8)."""
+        plain = type(module).forward.__get__(module)
+
+        def forward(x, position_ids, *args, **kwargs):
+            if (threading.get_ident() != self.thread or not (self.active or self.drafting_now)
+                    or position_ids.shape[-1] < 2):
+                return plain(x, position_ids, *args, **kwargs)
+            parts = [plain(x, position_ids[..., j:j + 1], *args, **kwargs) for j in range(position_ids.shape[-1])]
+            return tuple(torch.cat(p, dim=-2) for p in zip(*parts))
         return forward
 
     @contextlib.contextmanager

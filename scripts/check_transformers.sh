@@ -47,7 +47,7 @@ tests=(
     tests/test_lossless.py tests/test_fuzz.py tests/test_entry_points.py tests/test_sampling.py
     tests/test_eagle3.py tests/test_dflash.py tests/test_medusa.py tests/test_layerskip.py tests/test_mtp.py
     tests/test_suffix.py tests/test_lookahead.py tests/test_draft_models.py tests/test_kernels.py
-    tests/test_transformers_names.py tests/test_smollm2.py
+    tests/test_transformers_names.py tests/test_errors.py tests/test_smollm2.py
 )
 # the converters' tests: their own code loads transformers models (the checkpoints they compare with), which 5.25
 # without `kernels` refuses unless told (USE_HUB_KERNELS=NO, transformers' switch); the library's own loaders are

@@ -203,8 +203,7 @@ def test_exact_half_attention_matches_one_token_steps(dtype, shape):
                 ancestors[i] |= ancestors[int(torch.randint(0, i, (1,), generator=gen))]
         allowed = torch.cat([torch.ones(q, past, dtype=torch.bool), ancestors], 1)
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-        lanes = kernels._exact_lanes(dtype, 9, 3, 64)
-        out = kernels._exact_attention(query, key, value, kernels._ExactRows().plan(mask, lanes), None, 3)
+        out = kernels._exact_attention(query, key, value, kernels._ExactRows().plan(mask), None, 3)
         assert torch.equal(out, _one_token_attention(query, key, value, allowed)), past
 
 
