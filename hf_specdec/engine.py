@@ -186,7 +186,9 @@ def speculative_decode(
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
 
     ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runners.runner_for`'s choice
-    for the model); ``rounding`` is the ``rounding`` option (half precision); ``prompt_streamed``: ``streamer`` has
+    for the model); ``rounding`` is the ``rounding`` option (half precision; ``"auto"`` runs as ``"fast"`` where
+    the probe says it would not be bit-identical, :meth:`~hf_specdec.runners.TargetRunner.rounding_for`);
+    ``prompt_streamed``: ``streamer`` has
     the prompt already. Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
     ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half
     precision, whether a verification here gives the bits of the target's own one-token steps (probed once per model,
@@ -205,6 +207,7 @@ def speculative_decode(
     return_dict = bool(generation_config.return_dict_in_generate)
     pad_id = pad_token_tensor(generation_config)
     stopper = Stopper(stopping_criteria, generation_config.max_length)
+    asked, rounding = rounding, runner.rounding_for(rounding)
     state = DecodingState(model, input_ids, attention_mask, stopper.max_length, logits_processor,
                           bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0], rounding))
     rows = RowBook(state, stopper, streamer, want_scores=return_dict and bool(generation_config.output_scores),
@@ -212,7 +215,7 @@ def speculative_decode(
                    pad_id=int(pad_id) if pad_id is not None else 0, prompt_streamed=prompt_streamed)
     stats = SpeculativeStats(method=proposer.name)
     if model.dtype in HALF:
-        stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(rounding)
+        stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(asked)
     state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),
                                            capacity=stopper.max_length + proposer.max_nodes + 64)
     with runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules(), rounding) as target:

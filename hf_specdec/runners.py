@@ -246,6 +246,14 @@ class TargetRunner:
         """The target for one ``generate`` call (a context manager)."""
         return self.session_class(self, cache, hidden_states, drafters, rounding)
 
+    def rounding_for(self, rounding: str | None) -> str | None:
+        """The rounding a call runs with: ``"auto"`` in half precision where the probe says one row's verification
+        does not get the bits of its one-token steps here runs as ``"fast"`` (the packed attention: nothing
+        bit-identical to gain by paying for one query per token); any other value as given."""
+        if self.model.dtype not in HALF or rounding not in (None, "auto"):
+            return rounding
+        return rounding if self.exact_bits("auto") else "fast"
+
     def exact_bits(self, rounding: str | None = None) -> bool:
         """Whether one row's verification through this runner gives every draft-tree node the bits of plain
         decoding's one-token step (:func:`hf_specdec.exactness.probe_exact_bits`), probed once per dtype, device and
