@@ -259,7 +259,9 @@ def test_drafter_saved_with_another_tokenizer(target, tmp_path):
     tok.save_pretrained(tmp_path / "target")
     from transformers import AutoModelForCausalLM
 
-    moved = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    from hf_specdec._transformers import from_pretrained_options  # transformers 5.25 without `kernels`
+
+    moved = AutoModelForCausalLM.from_pretrained(tmp_path / "target", **from_pretrained_options({}))
     with pytest.raises(ValueError, match="saved with another tokenizer than the target's"):
         moved.generate(prompts(1)[0], custom_generate=hf_specdec.decoding_method("assisted"),
                        drafter=str(tmp_path / "draft"), **GEN)
