@@ -310,7 +310,7 @@ def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | N
     """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved), fed as
     the decoding loop feeds a verification: a 4D mask, through the target runner the loop would use
     (:func:`~hf_specdec.runners.runner_for`: the CPU kernel runner on a CPU unless ``kernels=False`` or
-    ``HF_SPECDEC_VERIFY_KERNELS=0``)."""
+    ``HF_SPECDEC_VERIFY_KERNELS=0``), with the rounding a call with the default ``rounding`` runs."""
     from transformers import DynamicCache
 
     from ..tree import build_attention_mask
@@ -321,7 +321,8 @@ def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | N
     bsz, past = input_ids.shape
     times = {q: [] for q in sizes}
     cache = DynamicCache()
-    with torch.no_grad(), runner_for(model, kernels=kernels).session(cache) as target:
+    runner = runner_for(model, kernels=kernels)
+    with torch.no_grad(), runner.session(cache, rounding=runner.rounding_for(None)) as target:  # as a default call
         model(input_ids=input_ids.to(device), cache=cache)
         valid = torch.ones(bsz, past, dtype=torch.bool, device=device)
         past_pos = torch.arange(past, device=device)[None].expand(bsz, -1)
