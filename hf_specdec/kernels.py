@@ -353,7 +353,6 @@ class VerifyKernels:
         self.active = False
         self.drafting_now = False
         self.linears: list[torch.nn.Linear] = []
-        self.rotaries: list[torch.nn.Module] = []  # half precision: rotary embeddings computed one position at a time
         self.configs: list = []
         self.config_ids: set[int] = set()  # of self.configs: the layers _switched_attention runs our attention for
         self.thread: int | None = None  # the thread that installed the kernels: the only one whose forwards use them
@@ -372,11 +371,6 @@ class VerifyKernels:
             for module in plain_cpu_linears(drafter):  # skips the target's (already replaced) shared layers
                 module.forward = self._linear_forward(module, always=True)
                 self.linears.append(module)
-        if self.exact is not None:
-            for module in self.model.modules():
-                if type(module).__name__.endswith("RotaryEmbedding") and "forward" not in module.__dict__:
-                    module.forward = self._rotary_forward(module)
-                    self.rotaries.append(module)
         if _register_attention():
             for module in self.model.modules():
                 config = getattr(module, "config", None)
@@ -387,9 +381,9 @@ class VerifyKernels:
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in self.linears + self.rotaries:
+        for module in self.linears:
             module.__dict__.pop("forward", None)
-        self.linears, self.rotaries = [], []
+        self.linears = []
         self.configs = []
         self.config_ids = set()
         if self.thread is not None:
@@ -411,20 +405,6 @@ class VerifyKernels:
             else:
                 out = self.choice(x2, weight, module.bias, rounding)
             return out.reshape(*x.shape[:-1], weight.shape[0])
-        return forward
-
-    def _rotary_forward(self, module: torch.nn.Module):
-        """A rotary embedding's ``(cos, sin)`` one position at a time inside a verification or proposal: the cosine of
-        a vector of positions takes the CPU's vector path for some elements and the scalar one for the rest, so a
-        position's bits could depend on how many share the call (seen with 4 frequencies, a head size of 8)."""
-        plain = type(module).forward.__get__(module)
-
-        def forward(x, position_ids, *args, **kwargs):
-            if (threading.get_ident() != self.thread or not (self.active or self.drafting_now)
-                    or position_ids.shape[-1] < 2):
-                return plain(x, position_ids, *args, **kwargs)
-            parts = [plain(x, position_ids[..., j:j + 1], *args, **kwargs) for j in range(position_ids.shape[-1])]
-            return tuple(torch.cat(p, dim=-2) for p in zip(*parts))
         return forward
 
     @contextlib.contextmanager
