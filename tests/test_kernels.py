@@ -249,12 +249,15 @@ def test_half_precision_layerskip_resumes_from_exact_early_layers():
 
 def test_probe_finds_a_product_that_rounds_unlike_one_row(monkeypatch):
     """The exactness probe's negative control: a verification product off by one part in a hundred is reported
-    (``exact_bits`` False, a warning saying so), whatever this CPU's own products do; float32 reports ``None``."""
+    (``exact_bits`` False, a warning saying so), whatever this CPU's own products do, and ``"auto"`` then runs as
+    ``"fast"``; float32 reports ``None``."""
     real_linear = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: real_linear(x, w, b) * (1.01 if x.shape[0] > 1 else 1))
     monkeypatch.setattr(kernels._LinearChoice, "force", False)  # F.linear for every product
     model = tiny_model("llama").to(torch.bfloat16)
     assert runner_for(model).exact_bits("auto") is False
+    assert [runner_for(model).rounding_for(r) for r in (None, "auto", "exact", "fast")] == ["fast", "fast", "exact",
+                                                                                          "fast"]
     ids, mask = prompts(1, length=12, seed=3)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                          return_dict_in_generate=True, custom_generate=hf_specdec.decoding_method("prompt_lookup"))
@@ -264,6 +267,7 @@ def test_probe_finds_a_product_that_rounds_unlike_one_row(monkeypatch):
                                   return_dict_in_generate=True,
                                   custom_generate=hf_specdec.decoding_method("prompt_lookup"))
     assert fp32.speculative_stats["exact_bits"] is None
+    assert runner_for(model).rounding_for("auto") == "auto"  # float32: no probe, nothing to change
 
 
 def test_linear_choice_keeps_the_product_that_rounds_as_one_row(monkeypatch):
