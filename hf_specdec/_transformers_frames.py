@@ -2,8 +2,9 @@
 
 transformers (checked: 5.24.0, 5.25.0) hands a decoding callable only the arguments its signature names, validates
 every other one against the model before the callable runs, and keeps ``streamer`` / ``assistant_model`` to itself.
-These read the calling frames of ``GenerationMixin.generate`` (by function name and local variable names) to give the library's own
-answer instead; each returns ``None`` / ``{}`` where the frames are not there (another version, another caller).
+These read the calling frames of ``GenerationMixin.generate`` (by function name and local variable names) to give the
+library's own answer instead; each returns ``None`` / ``{}`` where the frames are not there (another version, another
+caller).
 """
 
 from __future__ import annotations

@@ -185,15 +185,15 @@ def speculative_decode(
 ):
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
 
-    ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runners.runner_for`'s choice
-    for the model); ``rounding`` is the ``rounding`` option (half precision; ``"auto"`` runs as ``"fast"`` where
-    the probe says it would not be bit-identical, :meth:`~hf_specdec.runners.TargetRunner.rounding_for`);
-    ``prompt_streamed``: ``streamer`` has
-    the prompt already. Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
-    ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half
-    precision, whether a verification here gives the bits of the target's own one-token steps (probed once per model,
-    dtype and rounding by :meth:`~hf_specdec.runners.TargetRunner.exact_bits`; ``False`` for a batch of several rows,
-    whose verification is not made to round as one row's; ``None`` in float32, where the output is identical anyway).
+    ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runners.runner_for`'s choice for
+    the model); ``rounding`` is the ``rounding`` option (half precision; ``"auto"`` runs as ``"fast"`` where the probe
+    says it would not be bit-identical, :meth:`~hf_specdec.runners.TargetRunner.rounding_for`); ``prompt_streamed``:
+    ``streamer`` has the prompt already. Returns a ``LongTensor`` of sequences, or a
+    :class:`SpeculativeDecoderOnlyOutput` when ``generation_config.return_dict_in_generate`` is set; its
+    ``speculative_stats["exact_bits"]`` says, in half precision, whether a verification here gives the bits of the
+    target's own one-token steps (probed once per model, dtype and rounding by
+    :meth:`~hf_specdec.runners.TargetRunner.exact_bits`; ``False`` for a batch of several rows, whose verification is
+    not made to round as one row's; ``None`` in float32, where the output is identical anyway).
     """
     t_start = time.perf_counter()
     runner = runner if runner is not None else runner_for(model)

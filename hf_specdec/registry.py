@@ -91,8 +91,9 @@ SCHEDULE = Option("draft_length_schedule", str, "adaptive",
 
 ROUNDING = Option("rounding", str, None,
                   "half precision on the CPU: 'auto' (default) bit-identical to the target's own one-token steps where "
-                  "this CPU's products allow (probed: speculative_stats['exact_bits']), else as 'fast'; 'exact' bit-identical on every "
-                  "CPU (slower where it is needed), 'fast' identical up to rounding", choices=("auto", "exact", "fast"))
+                  "this CPU's products allow (probed: speculative_stats['exact_bits']), else as 'fast'; 'exact' "
+                  "bit-identical on every CPU (slower where it is needed), 'fast' identical up to rounding",
+                  choices=("auto", "exact", "fast"))
 LOOP_OPTIONS = (ROUNDING,)  # options of the loop, taken by every method (not passed to its proposer)
 
 
