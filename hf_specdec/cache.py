@@ -63,14 +63,22 @@ def is_static(cache: Cache) -> bool:
 
 
 def cache_length(cache: Cache) -> int:
+    """The number of columns ``cache`` holds (a static cache's count is a device tensor: reading it synchronises;
+    the loop knows its length from the layout instead)."""
     return int(cache.get_seq_length())
 
 
 def crop(cache: Cache, length: int) -> None:
-    """Keep the first ``length`` columns."""
-    extra = cache_length(cache) - length
-    if extra > 0:
-        cache.crop(-extra)
+    """Keep the first ``length`` columns, without reading any tensor value (a static layer's count is set, a
+    dynamic layer's tensors are sliced when longer)."""
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        if isinstance(layer, StaticLayer):
+            set_static_layer_length(layer, length)
+        elif layer.keys.shape[-2] > length:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
 
 
 def keep_columns(cache: Cache, start: int, index: torch.LongTensor) -> None:
@@ -117,20 +125,28 @@ def gather_columns(cache: Cache, index: torch.LongTensor) -> None:
 
 @dataclass
 class CacheLayout:
-    """Per-row bookkeeping of the cache columns: ``valid``, ``positions`` and ``tokens``, each ``[B, T]``."""
+    """Per-row bookkeeping of the cache columns: ``valid``, ``positions`` and ``tokens``, each ``[B, T]``.
+
+    ``counts`` (host data, optional) is the number of real columns per row: kept by the loop from what it knows,
+    so that deciding on compaction reads nothing from the device."""
 
     valid: torch.BoolTensor
     positions: torch.LongTensor
     tokens: torch.LongTensor
+    counts: list[int] | None = None
 
     @property
     def length(self) -> int:
         return self.valid.shape[1]
 
-    def append(self, valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor) -> None:
+    def append(self, valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor,
+               counts: list[int] | None = None) -> None:
+        """Append columns; ``counts`` the real columns per row among them (host data)."""
         self.valid = torch.cat([self.valid, valid], dim=1)
         self.positions = torch.cat([self.positions, positions], dim=1)
         self.tokens = torch.cat([self.tokens, tokens], dim=1)
+        if self.counts is not None:
+            self.counts = [a + b for a, b in zip(self.counts, counts)] if counts is not None else None
 
     def real_counts(self) -> torch.LongTensor:
         return self.valid.sum(1)
@@ -142,15 +158,16 @@ class CacheLayout:
 
     def compaction_index(self) -> torch.LongTensor:
         """``[B, T']`` column indices that move every row's real columns to the right (left padding)."""
-        counts = self.real_counts()
-        width = int(counts.max())
+        width = max(self.counts) if self.counts is not None else int(self.real_counts().max())
         # stable order of real columns, right-aligned: sort key puts holes first, real columns after in order
         order = torch.argsort(self.valid.to(torch.int8), dim=1, stable=True)
         return order[:, -width:] if width > 0 else order[:, :0]
 
     def gather(self, index: torch.LongTensor) -> "CacheLayout":
+        """The layout of the columns ``index [B, T']`` (a compaction: every real column kept)."""
         return CacheLayout(
             valid=self.valid.gather(1, index),
             positions=self.positions.gather(1, index),
             tokens=self.tokens.gather(1, index),
+            counts=self.counts,
         )

@@ -80,6 +80,7 @@ class ProposerCandidateGenerator(CandidateGenerator):
                                        self.logits_processor, self.do_sample, self.cost_model)
         state = self.state
         state.tokens[:, :length] = input_ids
+        state.host_tokens = input_ids.tolist()  # transformers' own loop: its syncs are its own
         state.lengths = [length]
         state.layout = CacheLayout(valid=torch.ones(1, length - 1, dtype=torch.bool, device=input_ids.device),
                                    positions=torch.arange(length - 1, device=input_ids.device)[None],

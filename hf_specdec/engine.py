@@ -42,6 +42,7 @@ from .proposers.base import Proposer
 from .rows import RowBook, Stopper
 from .runners import TargetRunner, call_lock, runner_for
 from .state import DecodingState
+from .syncs import to_device
 from .tree import DraftTree
 from .verify import AcceptResult, accept
 
@@ -79,11 +80,11 @@ class SpeculativeStats:
     def acceptance_length(self) -> float:
         return self.committed_tokens / self.verify_row_steps if self.verify_row_steps else 0.0
 
-    def count_row(self, tree: DraftTree, result: AcceptResult, b: int) -> None:
-        """Count row ``b`` of one verification step."""
+    def count_row(self, result: AcceptResult, b: int) -> None:
+        """Count row ``b`` of one verification step (host data only)."""
         n_acc = len(result.paths[b]) - 1
         self.verify_row_steps += 1
-        self.proposed_drafts += int(tree.valid[b].sum()) - 1
+        self.proposed_drafts += result.proposed[b]
         self.accepted_drafts += n_acc
         self.committed_tokens += len(result.new_tokens[b])
         self.accept_histogram[n_acc] = self.accept_histogram.get(n_acc, 0) + 1
@@ -130,28 +131,49 @@ def _check_inputs(model, input_ids, attention_mask, generation_config, logits_pr
     if any(isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in logits_processor):
         raise ValueError("Classifier-free guidance (guidance_scale with a negative prompt) is not supported with "
                          "speculative decoding.")
-    if attention_mask is not None:
-        mask = attention_mask.bool()
-        if not mask.any(1).all():
-            raise ValueError("A row of the batch is all padding (attention_mask is all zeros).")
-        # left padding only: once a row has a real token, every later token is real
-        if (mask.int().cummax(1).values.bool() & ~mask).any():
-            raise ValueError(
-                "Right padding (or holes) detected in attention_mask. Decoder-only models need left padding: "
-                "set tokenizer.padding_side = 'left'."
-            )
+    host = _host_inputs(input_ids, attention_mask)
+    if not all(host.real):
+        raise ValueError("A row of the batch is all padding (attention_mask is all zeros).")
+    if host.holes:  # left padding only: once a row has a real token, every later token is real
+        raise ValueError(
+            "Right padding (or holes) detected in attention_mask. Decoder-only models need left padding: "
+            "set tokenizer.padding_side = 'left'."
+        )
     window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if window is not None:
-        real = int(attention_mask.sum(1).max()) if attention_mask is not None else input_ids.shape[1]
+        real = max(host.real)
         if real >= window:
             raise ValueError(f"The prompt has {real} tokens, past the model's context window of {window} "
                              "(config.max_position_embeddings). Shorten the prompt.")
-        pads = input_ids.shape[1] - real if attention_mask is None else int((attention_mask == 0).sum(1).min())
+        pads = min(host.pads)
         if max_length - pads > window:
             raise ValueError(
                 f"max_length={max_length} (prompt + max_new_tokens) runs past the model's context window of {window}"
                 f" tokens. Lower max_new_tokens to at most {window - (input_ids.shape[1] - pads)}."
             )
+    return host
+
+
+@dataclass
+class _HostInputs:
+    """The call's inputs on the host, read once: ids per row, real and padding counts, whether the mask has holes."""
+
+    ids: list[list[int]]
+    real: list[int]
+    pads: list[int]
+    holes: bool
+
+
+def _host_inputs(input_ids, attention_mask) -> _HostInputs:
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    rows = torch.cat([input_ids, attention_mask.long()], dim=1).tolist()  # the call's one read of its inputs
+    width = input_ids.shape[1]
+    ids, masks = [r[:width] for r in rows], [r[width:] for r in rows]
+    real = [sum(1 for m in mask if m) for mask in masks]
+    pads = [width - n for n in real]
+    holes = any(any(m == 0 for m in mask[width - n:]) for mask, n in zip(masks, real))
+    return _HostInputs(ids=ids, real=real, pads=pads, holes=holes)
 
 
 def _one_call_at_a_time(decode):
@@ -200,7 +222,8 @@ def speculative_decode(
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
     attention_mask = model_kwargs.get("attention_mask")
-    _check_inputs(model, input_ids, attention_mask, generation_config, logits_processor, generation_config.max_length)
+    host = _check_inputs(model, input_ids, attention_mask, generation_config, logits_processor,
+                         generation_config.max_length)
     proposer.prepare(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -209,7 +232,8 @@ def speculative_decode(
     stopper = Stopper(stopping_criteria, generation_config.max_length)
     asked, rounding = rounding, runner.rounding_for(rounding)
     state = DecodingState(model, input_ids, attention_mask, stopper.max_length, logits_processor,
-                          bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0], rounding))
+                          bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0], rounding),
+                          host_ids=host.ids, pad_lengths=host.pads)
     rows = RowBook(state, stopper, streamer, want_scores=return_dict and bool(generation_config.output_scores),
                    want_logits=return_dict and bool(generation_config.output_logits),
                    pad_id=int(pad_id) if pad_id is not None else 0, prompt_streamed=prompt_streamed)
@@ -243,7 +267,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     # ---- prefill (the same inputs plain generate() feeds) and the first token
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # [B, P]
     t0 = time.perf_counter()
-    first_logits, state.hidden_states = target.prefill(input_ids, attention_mask, positions)  # [B, V]
+    padded = any(state.pad_lengths)
+    first_logits, state.hidden_states = target.prefill(input_ids, attention_mask, positions, padded)  # [B, V]
     stats.target_forward_passes += 1
     first_scores = state.processors(input_ids, first_logits)
     if state.do_sample:
@@ -251,10 +276,12 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     else:
         first = first_scores.argmax(-1)
     stats.verify_seconds += time.perf_counter() - t0
-    state.layout = cache_ops.CacheLayout(valid=attention_mask.bool(), positions=positions, tokens=input_ids.clone())
+    state.layout = cache_ops.CacheLayout(valid=attention_mask.bool(), positions=positions, tokens=input_ids.clone(),
+                                         counts=[state.prompt_length - p for p in state.pad_lengths])
     state.root_positions = positions[:, -1] + 1
-    for b, tok in enumerate(first.tolist()):
-        rows.commit(b, [tok], [first_scores[b]], [first_logits[b]])
+    firsts = first.tolist()  # the prefill's one read
+    rows.commit_rows({b: [tok] for b, tok in enumerate(firsts)}, {b: [first_scores[b]] for b in range(len(firsts))},
+                     {b: [first_logits[b]] for b in range(len(firsts))})
     rows.settle()
 
     proposer.begin(state)
@@ -307,12 +334,11 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
 
         # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
         _keep_accepted(state, tree, result, past)
-        for b in range(state.batch_size):
-            if state.active[b]:
-                stats.count_row(tree, result, b)
-                state.root_positions[b] += len(result.paths[b])
-                rows.commit(b, result.new_tokens[b], result.scores[b] if want_scores else None,
-                            result.logits[b] if want_logits else None)
+        going = [b for b in range(state.batch_size) if state.active[b]]
+        for b in going:
+            stats.count_row(result, b)
+        state.root_positions = state.root_positions + to_device([len(p) for p in result.paths], state.device)
+        rows.commit_rows({b: result.new_tokens[b] for b in going}, result.scores, result.logits)
         proposer.commit(state, tree, result)
         rows.settle()
     proposer.end(state)
@@ -327,7 +353,8 @@ def _make_room(state: DecodingState, target, proposer: Proposer, stats: Speculat
     if target.static:
         full = layout.length + proposer.max_nodes > target.kv_width
     else:  # holes take more than a quarter of the columns (and at least 32): attention pays for them every step
-        full = layout.length - int(layout.real_counts().max()) > max(32, layout.length // 4)
+        real = max(layout.counts) if layout.counts is not None else int(layout.real_counts().max())
+        full = layout.length - real > max(32, layout.length // 4)
     if not full:
         return
     index = layout.compaction_index()  # [B, T']
@@ -341,11 +368,14 @@ def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, 
     """Keep the accepted path's columns of the ``N`` verified ones (after ``past``) in the cache and the layout."""
     kept = [len(p) for p in result.paths]
     width = max(kept)
-    path_nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=state.device)  # [B, W]
+    if result.path_index is not None:  # the rule ran on the device: its paths are there already
+        path_nodes = result.path_index[:, :width]
+    else:
+        path_nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], state.device)  # [B, W]
     if result.is_prefix_paths():
         cache_ops.crop(state.cache, past + width)
     else:
         cache_ops.keep_columns(state.cache, past, path_nodes)
-    keep = torch.tensor(kept, device=state.device)[:, None] > torch.arange(width, device=state.device)[None]
+    keep = to_device(kept, state.device)[:, None] > torch.arange(width, device=state.device)[None]
     state.layout.append(keep, state.root_positions[:, None] + tree.depths.gather(1, path_nodes),
-                        tree.tokens.gather(1, path_nodes))
+                        tree.tokens.gather(1, path_nodes), counts=kept)

@@ -12,6 +12,7 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 
 from .state import DecodingState
+from .syncs import to_device
 
 
 class Stopper:
@@ -31,16 +32,18 @@ class Stopper:
         # plain generate() pads finished rows only when some criterion knows an EOS token
         self.pads_finished_rows = any(hasattr(crit, "eos_token_id") for crit in stopping_criteria)
 
-    def first_stop(self, tokens: torch.LongTensor, b: int, start: int, count: int) -> int | None:
-        """Index ``j`` (1-based) of the first of ``count`` new tokens after ``start`` at which row ``b`` stops."""
-        row = tokens[b, start:start + count].tolist()
-        for j, tok in enumerate(row, start=1):
+    def first_stop(self, row: list[int], b: int, start: int, count: int, ids=None) -> int | None:
+        """Index ``j`` (1-based) of the first of ``count`` new tokens after ``start`` at which row ``b`` stops.
+
+        ``row`` is the row's committed ids on the host (what max length and EOS tokens read); ``ids()`` gives the
+        device ids ``[1, L]`` the other criteria are called with (plain ``generate()`` calls them on those)."""
+        for j, tok in enumerate(row[start:start + count], start=1):
             length = start + j
             if length >= self.max_length or tok in self.eos:
                 return j
             if self.others:
-                ids = tokens[b:b + 1, :length]
-                if any(bool(crit(ids, None).view(-1)[0]) for crit in self.others):
+                prefix = ids()[:, :length]
+                if any(bool(crit(prefix, None).view(-1)[0]) for crit in self.others):
                     return j
         return None
 
@@ -75,24 +78,53 @@ class RowBook:
 
     # ---- one step
     def commit(self, b: int, tokens: list[int], scores=None, logits=None) -> None:
-        """Append ``tokens`` to row ``b``, cut at its first stop, stream them (batch size 1)."""
+        """Append ``tokens`` to row ``b`` (see :meth:`commit_rows`)."""
+        self.commit_rows({b: tokens}, {b: scores}, {b: logits})
+
+    def commit_rows(self, tokens: dict[int, list[int]], scores=None, logits=None) -> None:
+        """Append ``tokens[b]`` (host ids) to each row ``b``, cut at its first stop, stream them (batch size 1).
+
+        The device copy of the ids (``state.tokens``) gets every row's new ids in one write from the host; nothing
+        is read back from the device."""
         state = self.state
-        start = state.lengths[b]
-        state.tokens[b, start:start + len(tokens)] = torch.tensor(tokens, device=state.device)
-        count = len(tokens)
-        if not self.ignore_stop[b]:
-            j = self.stopper.first_stop(state.tokens, b, start, count)
-            if j is not None:
-                self.stop_len[b] = start + j
-                if self.stopper.pads_finished_rows:
-                    count = j
-        state.lengths[b] = start + count
-        if self.want_scores:
-            self.scores[b].extend(scores[:count])
-        if self.want_logits:
-            self.logits[b].extend(logits[:count])
-        if self.streamer is not None and state.batch_size == 1 and count:
-            self.streamer.put(state.tokens[b:b + 1, start:start + count].cpu())
+        rows, cols, values = [], [], []
+        streams = []
+        for b, new in tokens.items():
+            start = state.lengths[b]
+            host = state.host_tokens[b]
+            host.extend(new)
+            count = len(new)
+            if not self.ignore_stop[b]:
+                j = self.stopper.first_stop(host, b, start, count, ids=lambda b=b, s=start, n=new: self._device_row(
+                    b, s, n))
+                if j is not None:
+                    self.stop_len[b] = start + j
+                    if self.stopper.pads_finished_rows:
+                        count = j
+                        del host[start + count:]
+            state.lengths[b] = start + count
+            rows += [b] * count
+            cols += range(start, start + count)
+            values += new[:count]
+            if self.want_scores:
+                self.scores[b].extend(scores[b][:count])
+            if self.want_logits:
+                self.logits[b].extend(logits[b][:count])
+            if count:
+                streams.append(new[:count])
+        if values:
+            index = to_device([rows, cols, values], state.device)
+            state.tokens[index[0], index[1]] = index[2]
+        if self.streamer is not None and state.batch_size == 1:
+            for new in streams:
+                self.streamer.put(torch.tensor([new]))
+
+    def _device_row(self, b: int, start: int, new: list[int]) -> torch.LongTensor:
+        """Row ``b``'s device ids ``[1, start + len(new)]`` with ``new`` written after ``start`` (for stopping
+        criteria that take the ids, which plain ``generate()`` calls on the device)."""
+        state = self.state
+        state.tokens[b, start:start + len(new)] = to_device(new, state.device)
+        return state.tokens[b:b + 1, :start + len(new)]
 
     def settle(self) -> None:
         """After a step's commits: decide which rows still take tokens, stream the columns every row has."""
@@ -160,13 +192,16 @@ class RowBook:
         going = [state.lengths[b] for b in range(state.batch_size) if not self._finished_and_padded(b)]
         if not going:
             return
-        source = state.tokens.clone()
-        for b in range(state.batch_size):
-            if self._finished_and_padded(b):
-                source[b, state.lengths[b]:] = self.pad_id
-        self._put_columns(source, min(going))
+        upto = min(going)
+        if upto <= self.streamed:
+            return
+        columns = [[state.host_tokens[b][c] if c < state.lengths[b] else self.pad_id
+                    for c in range(self.streamed, upto)] for b in range(state.batch_size)]
+        self._put_columns(torch.tensor(columns), upto, offset=self.streamed)
 
-    def _put_columns(self, source: torch.LongTensor, upto: int) -> None:
+    def _put_columns(self, source: torch.LongTensor, upto: int, offset: int = 0) -> None:
+        """Hand columns ``streamed..upto`` to the streamer (``source`` holds column ``c`` at ``c - offset``; host
+        tensors, as plain ``generate()`` puts ``next_tokens.cpu()``)."""
         for col in range(self.streamed, upto):
-            self.streamer.put(source[:, col].cpu())
+            self.streamer.put(source[:, col - offset].cpu())
         self.streamed = max(self.streamed, upto)

@@ -95,9 +95,11 @@ class TargetSession:
             return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               cache=self.cache, use_cache=True, return_dict=True, **kwargs)
 
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, positions: torch.LongTensor):
-        """The prompt forward, fed as plain ``generate()`` feeds it. Returns ``(logits [B, V] fp32 of the last
-        position, hidden_states or None)``."""
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, positions: torch.LongTensor,
+                padded: bool | None = None):
+        """The prompt forward, fed as plain ``generate()`` feeds it (``padded``: whether any row has padding, as
+        the loop knows it; ``None``: read from the mask). Returns ``(logits [B, V] fp32 of the last position,
+        hidden_states or None)``."""
         bsz, length = input_ids.shape
         kwargs = dict(self.forward_kwargs)
         if supports_logits_to_keep(self.model):
@@ -108,7 +110,9 @@ class TargetSession:
                                         positions[:, :0], positions, causal & attention_mask.bool()[:, None, :],
                                         self.dtype, kv_width=self.kv_width)
         else:
-            mask = None if bool((attention_mask == 1).all()) else attention_mask
+            if padded is None:
+                padded = not bool((attention_mask == 1).all())
+            mask = attention_mask if padded else None
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache,
                          use_cache=True, return_dict=True, **kwargs)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32), self._hidden(out)

@@ -11,6 +11,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache import CacheLayout
 from .costs import ForwardCostModel
+from .syncs import to_device
 
 
 class DecodingState:
@@ -19,6 +20,9 @@ class DecodingState:
     Attributes (``B`` rows):
         tokens: ``[B, max_length + 1]`` committed ids in plain ``generate()`` layout (left padding, prompt,
             generated tokens); row ``b`` is valid up to ``lengths[b]`` and its last token is the *root*.
+        host_tokens: the same ids as host lists (``host_tokens[b]`` has ``lengths[b]`` ids): proposers that work on
+            the committed text read these (:meth:`row_list`), never ``tokens`` (a read of a device tensor is a
+            host-device synchronisation on a GPU; :mod:`hf_specdec.syncs`).
         lengths, pad_lengths: per row, committed length and left-padding length.
         active: rows that still take tokens.
         max_drafts: per row, the most drafts it may take this step (0: none).
@@ -33,7 +37,8 @@ class DecodingState:
     """
 
     def __init__(self, model, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, max_length: int,
-                 logits_processor: LogitsProcessorList, do_sample: bool, cost_model: ForwardCostModel):
+                 logits_processor: LogitsProcessorList, do_sample: bool, cost_model: ForwardCostModel,
+                 host_ids: list[list[int]] | None = None, pad_lengths: list[int] | None = None):
         self.model = model
         self.config = model.config
         self.device = input_ids.device
@@ -44,7 +49,8 @@ class DecodingState:
         self.tokens = input_ids.new_zeros((self.batch_size, max_length + 1))  # [B, max_length + 1]
         self.tokens[:, : self.prompt_length] = input_ids
         self.lengths = [self.prompt_length] * self.batch_size
-        self.pad_lengths = (attention_mask == 0).sum(1).tolist()
+        self.pad_lengths = pad_lengths if pad_lengths is not None else (attention_mask == 0).sum(1).tolist()
+        self.host_tokens: list[list[int]] = host_ids if host_ids is not None else input_ids.tolist()
         self.active = [True] * self.batch_size
         self.eos_token_ids: list[int] = []
         self.max_drafts = [0] * self.batch_size
@@ -54,6 +60,7 @@ class DecodingState:
         self.hidden_states = None
         self.tree_logits: torch.Tensor | None = None
         self.processors = logits_processor
+        self._roots = None
         self._row_independent = all(_is_row_independent(p) for p in logits_processor)
 
     # ---- reading the sequences
@@ -65,10 +72,17 @@ class DecodingState:
         """Real (unpadded) committed ids of row ``b``."""
         return self.tokens[b, self.pad_lengths[b]: self.lengths[b]]
 
+    def row_list(self, b: int) -> list[int]:
+        """Real (unpadded) committed ids of row ``b`` as host data (no read of a device tensor)."""
+        return self.host_tokens[b][self.pad_lengths[b]: self.lengths[b]]
+
     def roots(self) -> torch.LongTensor:
-        """``[B]`` the last committed token of every row."""
-        idx = torch.tensor([n - 1 for n in self.lengths], device=self.device)
-        return self.tokens.gather(1, idx[:, None])[:, 0]
+        """``[B]`` the last committed token of every row (from the host copy: sent, never read back)."""
+        key = tuple(self.lengths)
+        if self._roots is None or self._roots[0] != key:
+            self._roots = (key, to_device([self.host_tokens[b][n - 1] for b, n in enumerate(self.lengths)],
+                                          self.device))
+        return self._roots[1]
 
     # ---- logits processors with each position's own prefix
     def process(self, b: int, input_ids: torch.LongTensor, logits: torch.Tensor) -> torch.Tensor:

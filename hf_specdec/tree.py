@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .syncs import to_device
+
 
 @dataclass
 class Resume:
@@ -73,34 +75,36 @@ class DraftTree:
                 raise ValueError(f"Draft tree row {b}: every draft's parent must come before it (0 = the root), "
                                  f"got parents {row} for {len(tokens[b])} drafts.")
         bsz = root.shape[0]
-        pad = [[0] * (width - 1 - len(t)) for t in tokens]
-        token_rows = torch.tensor([t + z for t, z in zip(tokens, pad)], dtype=torch.long).reshape(bsz, width - 1)
-        counts = torch.tensor([len(t) for t in tokens])
-        if all(row == list(range(len(row))) for row in parents):  # every row a chain: the verifier's fast path
-            return cls.chain(root, token_rows.to(root.device), counts.to(root.device))
-        parent_rows = torch.tensor([p + z for p, z in zip(parents, pad)], dtype=torch.long).reshape(bsz, width - 1)
-        valid = torch.arange(width)[None, :] <= counts[:, None]
         device = root.device
-        return cls(tokens=torch.cat([root[:, None], token_rows.to(device)], dim=1),
-                   parents=torch.cat([torch.full((bsz, 1), -1, dtype=torch.long), parent_rows], dim=1).to(device),
-                   valid=valid.to(device))
+        pad = [[0] * (width - 1 - len(t)) for t in tokens]
+        counts = [len(t) for t in tokens]
+        token_rows = to_device([t + z for t, z in zip(tokens, pad)], device).reshape(bsz, width - 1)
+        if all(row == list(range(len(row))) for row in parents):  # every row a chain: the verifier's fast path
+            return cls.chain(root, token_rows, counts)
+        parent_rows = to_device([[-1] + p + z for p, z in zip(parents, pad)], device).reshape(bsz, width)
+        valid = torch.arange(width, device=device)[None, :] <= to_device(counts, device)[:, None]
+        return cls(tokens=torch.cat([root[:, None], token_rows], dim=1), parents=parent_rows, valid=valid)
 
     @classmethod
     def chain(cls, root: torch.LongTensor, drafts: torch.LongTensor | None = None,
               num_drafts: torch.LongTensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A chain per row: ``root [B]``, ``drafts [B, k]`` of which the first ``num_drafts[b]`` are real.
 
-        ``draft_probs`` (optional) is ``[B, k, V]``: the distribution each draft was sampled from. Drafts past the
-        longest row's ``num_drafts`` are cut off: the verification forward then scores only what some row keeps.
+        ``num_drafts`` is a list of ints (host data) or a ``[B]`` tensor; ``draft_probs`` (optional) is ``[B, k, V]``:
+        the distribution each draft was sampled from. Given as a list, drafts past the longest row's count are cut
+        off (the verification forward then scores only what some row keeps); a tensor is not read back (that would
+        synchronise), so its chain keeps all ``k`` columns.
         """
         bsz = root.shape[0]
         device = root.device
         if drafts is None:
             drafts = root.new_zeros((bsz, 0))
-        longest = int(num_drafts.max()) if num_drafts is not None and bsz else drafts.shape[1]
-        if drafts.shape[1] > longest:
-            drafts = drafts[:, :longest]
-            draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
+        if isinstance(num_drafts, (list, tuple)):
+            longest = max(num_drafts, default=0)
+            num_drafts = to_device(num_drafts, device)
+            if drafts.shape[1] > longest:
+                drafts = drafts[:, :longest]
+                draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
         k = drafts.shape[1]
         tokens = torch.cat([root[:, None], drafts], dim=1)
         parents = (torch.arange(k + 1, device=device) - 1).expand(bsz, k + 1)
@@ -123,26 +127,26 @@ class DraftTree:
         would otherwise place them past it (GPT-2's position table has ``n_positions`` rows).
         """
         if self._depths is None:
-            depths = torch.zeros_like(self.parents)
-            # parents come before children, so one pass in node order is enough
-            for i in range(1, self.num_nodes):
-                depths[:, i] = depths.gather(1, self.parents[:, i:i + 1].clamp(min=0))[:, 0] + 1
-            self._depths = depths.masked_fill(~self.valid, 0)
+            self._depths = (self.ancestors.sum(-1) - 1).masked_fill(~self.valid, 0)
         return self._depths
 
     @property
     def ancestors(self) -> torch.BoolTensor:
-        """``[B, N, N]``: ``ancestors[b, i, j]`` is True when node ``j`` is node ``i`` or one of its ancestors."""
+        """``[B, N, N]``: ``ancestors[b, i, j]`` is True when node ``j`` is node ``i`` or one of its ancestors (and
+        valid). Built with tensor operations only: from the parent matrix by repeated squaring (paths double in
+        length each round, so ``log2(N)`` rounds)."""
         if self._ancestors is None:
             n = self.num_nodes
             device = self.tokens.device
             if self.is_chain:
                 anc = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(self.batch_size, n, n)
             else:
-                anc = torch.eye(n, dtype=torch.bool, device=device).repeat(self.batch_size, 1, 1)
-                for i in range(1, n):
-                    parent = self.parents[:, i].clamp(min=0)
-                    anc[:, i] |= anc[torch.arange(self.batch_size, device=device), parent]
+                nodes = torch.arange(n, device=device)
+                reach = (self.parents[:, :, None] == nodes) | (nodes[:, None] == nodes)  # [B, N, N] parent or self
+                reach = reach.float()
+                for _ in range(max(n - 1, 1).bit_length()):
+                    reach = (torch.bmm(reach, reach) > 0).float()
+                anc = reach.bool()
             self._ancestors = anc & self.valid[:, None, :]
         return self._ancestors
 

@@ -39,14 +39,19 @@ class AcceptResult:
 
     ``paths[b]`` are the kept tree nodes of row ``b`` (root first, so ``len(paths[b]) - 1`` drafts were accepted);
     ``new_tokens[b]`` are the tokens the row commits (accepted drafts, then the target's own token);
-    ``scores[b]`` / ``logits[b]`` hold one processed / raw score row per committed token when asked for.
-    Inactive rows have an empty path and no tokens.
+    ``scores[b]`` / ``logits[b]`` hold one processed / raw score row per committed token when asked for;
+    ``proposed[b]`` is the number of drafts row ``b`` had in the tree.
+    Inactive rows have an empty path and no tokens. ``path_index`` (``[B, W]`` on the device, ``W >= len(paths[b])``)
+    holds the same paths where the rule ran on the device, so that the loop keeps cache columns without sending the
+    paths back.
     """
 
     paths: list[list[int]]
     new_tokens: list[list[int]]
     scores: list[list[torch.Tensor]] | None = None
     logits: list[list[torch.Tensor]] | None = None
+    proposed: list[int] | None = None
+    path_index: torch.LongTensor | None = None
 
     @property
     def num_accepted(self) -> list[int]:
@@ -85,8 +90,8 @@ def accept(
     """
     if typical is not None and not do_sample:
         raise ValueError("typical acceptance is a sampling rule; greedy decoding is always exact.")
-    if not do_sample and process is None and tree.is_chain and not want_scores and not want_logits:
-        return _greedy_chain(tree, logits, active)
+    if not do_sample and process is None:
+        return _greedy(tree, logits, active, want_scores, want_logits)
     bsz = tree.batch_size
     paths, new_tokens = [], []
     scores = [] if want_scores else None
@@ -111,24 +116,55 @@ def accept(
             scores.append(row_scores)
         if raw is not None:
             raw.append(row_raw)
-    return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw)
+    proposed = (tree.valid.sum(1) - 1).tolist()
+    return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=proposed)
 
 
-def _greedy_chain(tree: DraftTree, logits: torch.Tensor, active: list[bool]) -> AcceptResult:
+def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scores: bool,
+            want_logits: bool) -> AcceptResult:
+    """The greedy rule on the device, for chains and trees, with one host read: a node is kept when its token is
+    the target's argmax at its parent and every ancestor is kept; the deepest kept node ends the path (the first
+    in node order among equals) and the target's argmax there is the next token."""
+    bsz, n = tree.tokens.shape
     choice = logits.argmax(-1)  # [B, N]
-    match = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
-    n_acc = match.cumprod(1).sum(1)
-    nxt = choice.gather(1, n_acc[:, None])[:, 0]
-    drafts = tree.tokens.tolist()
-    paths, new_tokens = [], []
-    for b, (n, t) in enumerate(zip(n_acc.tolist(), nxt.tolist())):
+    nodes = torch.arange(n, device=choice.device)
+    if tree.is_chain:
+        match = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
+        n_acc = match.cumprod(1).sum(1)  # [B]
+        order = nodes.expand(bsz, n)
+        last = n_acc
+    else:
+        ok = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))) & tree.valid
+        ok[:, 0] = True
+        kept = ~(tree.ancestors & ~ok[:, None, :]).any(-1) & tree.valid  # every ancestor (itself included) ok
+        last = torch.where(kept, tree.depths, -1).argmax(1)  # [B] the first of the deepest kept nodes
+        path = tree.ancestors[torch.arange(bsz, device=choice.device), last]  # [B, N] its ancestors
+        order = torch.where(path, nodes, n).sort(1).values.clamp(max=n - 1)  # path nodes first, in depth order
+        n_acc = path.sum(1) - 1
+    nxt = choice.gather(1, last[:, None])
+    packed = torch.cat([n_acc[:, None], nxt, tree.valid.sum(1, keepdim=True) - 1, order,
+                        tree.tokens.gather(1, order)], dim=1)
+    rows = packed.tolist()  # the step's one host read
+    paths, new_tokens, proposed = [], [], []
+    scores = [] if want_scores else None
+    raw = [] if want_logits else None
+    for b, row in enumerate(rows):
+        count = row[0] + 1
+        proposed.append(row[2])
         if not active[b]:
-            paths.append([])
-            new_tokens.append([])
-            continue
-        paths.append(list(range(n + 1)))
-        new_tokens.append(drafts[b][1:n + 1] + [t])
-    return AcceptResult(paths=paths, new_tokens=new_tokens)
+            path, toks = [], []
+        else:
+            path = row[3:3 + count]
+            toks = row[3 + n + 1:3 + n + count] + [row[1]]
+        paths.append(path)
+        new_tokens.append(toks)
+        picked = [logits[b, i] for i in path]
+        if scores is not None:
+            scores.append(picked)
+        if raw is not None:
+            raw.append(picked)
+    return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=proposed,
+                        path_index=order)
 
 
 def _walk(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, prefix: torch.LongTensor,

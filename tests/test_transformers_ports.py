@@ -92,6 +92,9 @@ class _State:
     def row_tokens(self, b):
         return self.tokens[b]
 
+    def row_list(self, b):
+        return self.tokens[b].tolist()
+
     def roots(self):
         return self.tokens[:, -1]
 

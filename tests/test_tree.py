@@ -57,13 +57,15 @@ def test_tree_structure():
     anc = tree.ancestors[0]
     assert anc[6].nonzero().flatten().tolist() == [0, 1, 4, 6]
     assert anc[5].nonzero().flatten().tolist() == [0, 2, 5]
-    chain = DraftTree.chain(torch.tensor([1, 2]), torch.tensor([[7, 8, 9], [4, 5, 6]]), torch.tensor([2, 1]))
+    chain = DraftTree.chain(torch.tensor([1, 2]), torch.tensor([[7, 8, 9], [4, 5, 6]]), [2, 1])
     assert chain.valid.tolist() == [[True, True, True], [True, True, False]]  # past the longest row: cut off
     assert chain.tokens.tolist() == [[1, 7, 8], [2, 4, 5]]
+    device_counts = DraftTree.chain(torch.tensor([1, 2]), torch.tensor([[7, 8, 9], [4, 5, 6]]), torch.tensor([2, 1]))
+    assert device_counts.valid.tolist() == [[True, True, True, False], [True, True, False, False]]  # not read back
     assert chain.ancestors[0, 2].tolist() == [True, True, True]
     probs = torch.rand(2, 3, 11)
     assert torch.equal(DraftTree.chain(torch.tensor([1, 2]), torch.tensor([[7, 8, 9], [4, 5, 6]]),
-                                       torch.tensor([1, 0]), probs).draft_probs[:, 1:], probs[:, :1])
+                                       [1, 0], probs).draft_probs[:, 1:], probs[:, :1])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "gpt2"])

@@ -12,20 +12,42 @@ NUM_TOKENS = Option("prompt_lookup_num_tokens", int, 20, "the most drafts per st
 MAX_NGRAM = Option("max_matching_ngram_size", int, 5, "the longest suffix n-gram matched")
 
 
-def find_continuation(seq: torch.LongTensor, max_ngram: int, min_ngram: int, max_tokens: int):
+def find_continuation(seq, max_ngram: int, min_ngram: int, max_tokens: int):
     """The tokens that followed the most recent earlier occurrence of the longest suffix n-gram of ``seq``.
 
-    Returns ``(n, tokens)`` with ``n`` the matched n-gram size, or ``(0, None)`` when no suffix n-gram of size
-    ``min_ngram..max_ngram`` occurred before.
+    ``seq`` is a list of ids (or a 1D tensor). Returns ``(n, tokens)`` with ``n`` the matched n-gram size and
+    ``tokens`` a list, or ``(0, None)`` when no suffix n-gram of size ``min_ngram..max_ngram`` occurred before.
+    One-off search; the proposer keeps an :class:`NgramIndex` per row instead.
     """
-    length = seq.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = seq[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token
-        hits = (windows == seq[-n:]).all(dim=1).nonzero()
-        if hits.numel():
-            start = int(hits[-1]) + n
-            return n, seq[start:start + max_tokens]
-    return 0, None
+    index = NgramIndex(max_ngram)
+    return index.continuation(seq.tolist() if isinstance(seq, torch.Tensor) else list(seq), min_ngram, max_tokens)
+
+
+class NgramIndex:
+    """Where each n-gram (``n <= max_ngram``) of a growing sequence last started, updated with the new tokens only,
+    so a lookup costs ``O(max_ngram)`` host work whatever the length (no device tensor is read)."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.last: dict[tuple, int] = {}  # n-gram -> start of its most recent occurrence
+        self.done = 0  # n-grams ending before this index are in ``last``
+        self.seen = 0  # length of the sequence last indexed (a shorter one is indexed afresh)
+
+    def continuation(self, seq: list[int], min_ngram: int, max_tokens: int):
+        """:func:`find_continuation` for ``seq``, the sequence indexed so far plus new tokens at its end."""
+        if len(seq) < self.seen:
+            self.last.clear()
+            self.done = 0
+        self.seen = len(seq)
+        for end in range(self.done, len(seq) - 1):  # n-grams that end before the last token
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.last[tuple(seq[end - n + 1:end + 1])] = end - n + 1
+        self.done = max(self.done, len(seq) - 1)
+        for n in range(min(self.max_ngram, len(seq) - 1), min_ngram - 1, -1):
+            start = self.last.get(tuple(seq[-n:]))
+            if start is not None:
+                return n, seq[start + n:start + n + max_tokens]
+        return 0, None
 
 
 class PromptLookupProposer(Proposer):
@@ -56,6 +78,7 @@ class PromptLookupProposer(Proposer):
 
     def begin(self, state) -> None:
         self.estimator = AcceptanceEstimator(prior_alpha=0.35, prior_weight=2.0, decay=0.9)
+        self.indexes = [NgramIndex(self.max_ngram) for _ in range(state.batch_size)]
         self.streak = [False] * state.batch_size
         self.pending: list = [None] * state.batch_size
 
@@ -70,21 +93,20 @@ class PromptLookupProposer(Proposer):
         drafts = []
         for b in range(state.batch_size):
             budget = min(state.max_drafts[b], self.num_tokens)
-            n, cont = find_continuation(state.row_tokens(b), self.max_ngram, self.min_ngram, budget) if budget > 0 \
+            n, cont = self.indexes[b].continuation(state.row_list(b), self.min_ngram, budget) if budget > 0 \
                 else (0, None)
-            if n and state.eos_token_ids and cont.numel():  # a draft past an end-of-sequence token is never used
-                stops = torch.isin(cont, cont.new_tensor(state.eos_token_ids)).nonzero()
-                if stops.numel():
-                    cont = cont[: int(stops[0])]
-            if n == 0 or cont.numel() == 0:
+            if n and state.eos_token_ids:  # a draft past an end-of-sequence token is never used
+                stop = next((i for i, tok in enumerate(cont) if tok in state.eos_token_ids), None)
+                cont = cont[:stop]
+            if n == 0 or not cont:
                 drafts.append(None)
                 continue
-            k, key, alpha = cont.numel(), None, 1.0
+            k, key, alpha = len(cont), None, 1.0
             if self.adaptive:
                 key = (n, self.streak[b])
                 alpha = self.estimator.alpha(key, self._prior(key))
                 k = best_draft_length(alpha, k, state.cost_model)
-            drafts.append(RowDraft(cont[:k].tolist(), list(range(k)), [alpha ** (i + 1) for i in range(k)], key)
+            drafts.append(RowDraft(cont[:k], list(range(k)), [alpha ** (i + 1) for i in range(k)], key)
                           if k else None)
         return drafts
 
