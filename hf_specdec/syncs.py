@@ -100,8 +100,8 @@ class SyncCounter(TorchFunctionMode):
 
 
 def _caller() -> str:
-    for frame in reversed(traceback.extract_stack()[:-3]):
-        if "/torch/" not in frame.filename and not frame.filename.endswith("syncs.py"):
+    for frame in reversed(traceback.extract_stack()):
+        if "/torch/" not in frame.filename and not frame.filename.endswith("hf_specdec/syncs.py"):
             return f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"
     return "?"
 

@@ -43,7 +43,8 @@ class AcceptResult:
     ``proposed[b]`` is the number of drafts row ``b`` had in the tree.
     Inactive rows have an empty path and no tokens. ``path_index`` (``[B, W]`` on the device, ``W >= len(paths[b])``)
     holds the same paths where the rule ran on the device, so that the loop keeps cache columns without sending the
-    paths back.
+    paths back; there ``choices[b]`` is the target's argmax at every node (read with the paths: lookahead decoding
+    harvests its window from them).
     """
 
     paths: list[list[int]]
@@ -52,6 +53,7 @@ class AcceptResult:
     logits: list[list[torch.Tensor]] | None = None
     proposed: list[int] | None = None
     path_index: torch.LongTensor | None = None
+    choices: list[list[int]] | None = None
 
     @property
     def num_accepted(self) -> list[int]:
@@ -143,14 +145,15 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scor
         n_acc = path.sum(1) - 1
     nxt = choice.gather(1, last[:, None])
     packed = torch.cat([n_acc[:, None], nxt, tree.valid.sum(1, keepdim=True) - 1, order,
-                        tree.tokens.gather(1, order)], dim=1)
+                        tree.tokens.gather(1, order), choice], dim=1)
     rows = packed.tolist()  # the step's one host read
-    paths, new_tokens, proposed = [], [], []
+    paths, new_tokens, proposed, choices = [], [], [], []
     scores = [] if want_scores else None
     raw = [] if want_logits else None
     for b, row in enumerate(rows):
         count = row[0] + 1
         proposed.append(row[2])
+        choices.append(row[3 + 2 * n:])
         if not active[b]:
             path, toks = [], []
         else:
@@ -164,7 +167,7 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scor
         if raw is not None:
             raw.append(picked)
     return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=proposed,
-                        path_index=order)
+                        path_index=order, choices=choices)
 
 
 def _walk(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, prefix: torch.LongTensor,

@@ -71,11 +71,13 @@ class DFlashProposer(FeatureDrafterProposer):
         expected tokens and the verification cost of that ``k`` (``None`` when no ``k`` beats a plain step)."""
         if not self.adaptive:
             return budget, None
-        reach = torch.cumprod(probs[:budget].clamp(max=1.0) * min(self.calibration, 1.5), 0).clamp(max=1.0)
-        expected = 1.0 + torch.cumsum(reach, 0)
+        expected, total = [], 1.0
+        for reach in _reaches(probs[:budget], min(self.calibration, 1.5)):  # host floats (the proposal's one read)
+            total += reach
+            expected.append(total)
         k = best_count(expected, state.cost_model)
         verify = state.cost_model.relative(k + 1)
-        worth = (float(expected[k - 1]), verify) if k and float(expected[k - 1]) > verify else None
+        worth = (expected[k - 1], verify) if k and expected[k - 1] > verify else None
         return k, worth
 
     def _block_logits(self, state, hidden: torch.Tensor) -> torch.Tensor:
@@ -112,9 +114,22 @@ class DFlashProposer(FeatureDrafterProposer):
         width = logits.shape[1]
         process = state.process_fn()
         drafts, probs_all, kept, predicted, best, confidences = [], [], [], [], None, []
+        greedy = process is None and not state.do_sample
+        if greedy:  # on the device; with the adaptive rule, the confidences come back in one read
+            drafts = logits.argmax(-1)
+            host_conf = torch.softmax(logits, -1).max(-1).values.tolist() if self.adaptive else None
         for b in range(bsz):
             budget = min(state.max_drafts[b], width)
             row_logits = logits[b]
+            if greedy:
+                confidence = host_conf[b] if host_conf is not None else []
+                k, worth = self._keep(state, confidence, budget) if budget > 0 else (0, None)
+                if worth is not None and (best is None or worth[0] / worth[1] > best[0] / best[1]):
+                    best = worth
+                predicted.append(_product_sum(confidence[:k]))
+                kept.append(k)
+                confidences.append(confidence[:k])
+                continue
             if process is not None or state.do_sample:
                 rows, prefix = [], state.prefix(b)
                 toks = []
@@ -131,20 +146,21 @@ class DFlashProposer(FeatureDrafterProposer):
                 row_probs = None
                 row_tokens = row_logits.argmax(-1)
             confidence = (row_probs if row_probs is not None else torch.softmax(row_logits, -1)).max(-1).values
+            confidence = confidence.tolist()
             k, worth = self._keep(state, confidence, budget) if budget > 0 else (0, None)
             if worth is not None and (best is None or worth[0] / worth[1] > best[0] / best[1]):
                 best = worth
-            predicted.append(float(torch.cumprod(confidence[:k], 0).sum()) if k else 0.0)
+            predicted.append(_product_sum(confidence[:k]))
             drafts.append(row_tokens)
             probs_all.append(row_probs)
             kept.append(k)
             confidences.append(confidence[:k])
         if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
             cal = min(self.calibration, 1.5)
-            reaches = [torch.cumprod(c.clamp(max=1.0) * cal, 0).clamp(max=1.0).tolist() for c in confidences]
+            reaches = [_reaches(c, cal) for c in confidences]
             cap = batch_cap(reaches, state.cost_model, state.active)
             kept = [min(k, cap) for k in kept]
-            predicted = [float(torch.cumprod(c[:k], 0).sum()) if k else 0.0 for c, k in zip(confidences, kept)]
+            predicted = [_product_sum(c[:k]) for c, k in zip(confidences, kept)]
             # what the batch expects of this proposal (the back-off's judgement): the active rows' mean
             active = [b for b in range(bsz) if state.active[b]] or list(range(bsz))
             expected = 1.0 + sum(sum(reaches[b][:kept[b]]) for b in active) / len(active)
@@ -160,9 +176,27 @@ class DFlashProposer(FeatureDrafterProposer):
         if self.adaptive:
             self.backoff.judge(state, seconds, *(best or (None, None)))
         self._predicted = predicted
-        tokens = torch.stack(drafts)
+        tokens = drafts if greedy else torch.stack(drafts)
         draft_probs = torch.stack(probs_all) if state.do_sample else None
-        return DraftTree.chain(state.roots(), tokens, torch.tensor(kept, device=state.device), draft_probs)
+        return DraftTree.chain(state.roots(), tokens, kept, draft_probs)
+
+
+def _product_sum(confidence: list[float]) -> float:
+    """Sum of the running products of ``confidence`` (host floats): the expected accepted drafts."""
+    total, run = 0.0, 1.0
+    for c in confidence:
+        run *= c
+        total += run
+    return total
+
+
+def _reaches(confidence: list[float], cal: float) -> list[float]:
+    """Calibrated running products, each clamped to 1 (the batch rule's estimate per draft)."""
+    out, run = [], 1.0
+    for c in confidence:
+        run *= min(c, 1.0) * cal
+        out.append(min(run, 1.0))
+    return out
 
 
 def _train(target, tokenizer, out, args, common):

@@ -106,6 +106,7 @@ class DraftModelProposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns already in the drafter cache
         self.fed = 0  # columns the drafter added beyond `synced` in the last propose
+        self.tree = None  # the tree of the last propose
         self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
         self.token_seconds = RecentMinimum(window=16)  # single-token drafter forwards (robust to a busy machine)
         t_params = sum(p.numel() for p in state.model.parameters())
@@ -180,10 +181,10 @@ class DraftModelProposer(Proposer):
         self.fed = k  # the root and drafts[:k-1] were added beyond the committed columns
         drafts_t = torch.stack(drafts, dim=1)
         self.fed_tokens = torch.cat([roots[:, None], drafts_t[:, :k - 1]], dim=1)
-        counts = torch.tensor(budgets, device=state.device).clamp(max=k)
-        self.counts = counts.tolist()
+        self.counts = [min(b, k) for b in budgets]
         draft_probs = torch.stack(probs, dim=1) if probs else None
-        return DraftTree.chain(roots, drafts_t, counts, draft_probs)
+        self.tree = DraftTree.chain(roots, drafts_t, self.counts, draft_probs)
+        return self.tree
 
     def commit(self, state, tree, result) -> None:
         fed, self.fed = self.fed, 0
@@ -195,13 +196,16 @@ class DraftModelProposer(Proposer):
             if result.paths[b] and self.counts[b] > 0:  # rows that verified this drafter's drafts
                 self.estimator.update("all", self.counts[b], n_acc)
         keep = min(fed, layout.length - past)
-        if keep:  # the drafter's columns hold what was committed (or a hole) only up to the first other token
+        # the drafter's columns hold what was committed (or a hole) only up to the first other token; when the
+        # verified tree is this drafter's own, every committed column is one it fed (nothing to read back)
+        if keep and tree is not self.tree:
             cols = slice(past, past + keep)
             same = ~layout.valid[:, cols] | (layout.tokens[:, cols] == self.fed_tokens[:, :keep].to(layout.tokens.device))
             differs = (~same.all(0)).nonzero()
             if differs.numel():
                 keep = int(differs[0])
         self.synced = past + keep
+        self.tree = None
         cache_ops.crop(self.cache, self.synced)
 
     def on_compact(self, state, index) -> None:

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..registry import Option
+from ..syncs import to_device
 from ..tree import DraftTree
 from .base import Proposer, RowDraft
 
@@ -143,34 +144,34 @@ class HybridProposer(Proposer):
 
 
 def _merge(state, tree: DraftTree | None, drafts: list[RowDraft | None]) -> DraftTree | None:
-    """One tree: the rows with a drafter-free draft in ``drafts`` take it, the others their row of ``tree``."""
+    """One tree: the rows with a drafter-free draft in ``drafts`` take it, the others their row of ``tree``. Rows are
+    chosen on the device (``torch.where`` over both trees padded to one width): nothing is read back."""
     if not any(d is not None for d in drafts):
         return tree
-    bsz = state.batch_size
-    tokens: list[list[int]] = [[] for _ in range(bsz)]
-    parents: list[list[int]] = [[] for _ in range(bsz)]
-    for b in range(bsz):
-        if drafts[b] is not None:
-            tokens[b], parents[b] = list(drafts[b].tokens), list(drafts[b].parents)
-        elif tree is not None:
-            valid, row_tokens, row_parents = tree.valid[b].tolist(), tree.tokens[b].tolist(), tree.parents[b].tolist()
-            nodes = [i for i in range(1, tree.num_nodes) if valid[i]]
-            slot = {0: 0, **{node: k + 1 for k, node in enumerate(nodes)}}
-            tokens[b] = [row_tokens[i] for i in nodes]
-            parents[b] = [slot[row_parents[i]] for i in nodes]
-    merged = DraftTree.from_rows(state.roots(), tokens, parents)
-    if merged is not None and tree is not None and tree.draft_probs is not None:
+    lookup = DraftTree.from_rows(state.roots(), [list(d.tokens) if d is not None else [] for d in drafts],
+                                 [list(d.parents) if d is not None else [] for d in drafts])
+    if tree is None or lookup is None:
+        return tree if lookup is None else lookup
+    width = max(tree.num_nodes, lookup.num_nodes)
+    use = to_device([d is not None for d in drafts], state.device, dtype=torch.bool)[:, None]
+
+    def pad(t, value=0):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    chain = tree.is_chain and lookup.is_chain
+    tokens = torch.where(use, pad(lookup.tokens), pad(tree.tokens))
+    valid = torch.where(use, pad(lookup.valid, False), pad(tree.valid, False))
+    if chain:
+        parents = (torch.arange(width, device=state.device) - 1).expand(state.batch_size, width)
+    else:
+        parents = torch.where(use, pad(lookup.parents), pad(tree.parents))
+    merged = DraftTree(tokens=tokens, parents=parents, valid=valid, is_chain=chain)
+    if tree.draft_probs is not None:  # a deterministic draft is a point mass
         vocab = tree.draft_probs.shape[-1]
-        probs = torch.zeros(bsz, merged.num_nodes, vocab, dtype=tree.draft_probs.dtype, device=state.device)
-        for b in range(bsz):
-            if drafts[b] is not None:  # a deterministic draft is a point mass
-                idx = torch.arange(1, len(tokens[b]) + 1, device=state.device)
-                probs[b, idx, torch.tensor(tokens[b], device=state.device)] = 1.0
-            else:
-                nodes = tree.valid[b, 1:].nonzero()[:, 0].add(1).tolist()
-                if nodes:
-                    probs[b, 1:len(nodes) + 1] = tree.draft_probs[b, nodes]
-        merged.draft_probs = probs
+        probs = torch.nn.functional.pad(tree.draft_probs, (0, 0, 0, width - tree.num_nodes))
+        point = torch.nn.functional.one_hot(tokens, vocab).to(probs.dtype) * valid[:, :, None]
+        point[:, 0] = 0
+        merged.draft_probs = torch.where(use[:, :, None], point, probs)
     return merged
 
 

@@ -203,16 +203,16 @@ class LayerSkipProposer(Proposer):
             current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
             if state.do_sample:
                 probs.append(p)
-            # the best row's confidence in its draft (calibrated): rows draft in lockstep
-            last = float(p.gather(1, current[:, None]).max())
-            reach *= min(1.0, last * self.calibration)
-            predicted += reach
+            if self.num_tokens is None:  # the adaptive stop reads the best row's confidence in its draft (calibrated):
+                last = float(p.gather(1, current[:, None]).max())  # rows draft in lockstep; a fixed length reads none
+                reach *= min(1.0, last * self.calibration)
+                predicted += reach
             drafts.append(current)
             self.step_times.add(time.perf_counter() - t0)
         k = len(drafts)
         self._predicted = predicted if self.num_tokens is None else None
         self.fed = k  # the root and drafts[:k-1] went through the early layers (and the adapter)
-        counts = torch.tensor(budgets, device=state.device).clamp(max=k)
+        counts = [min(b, k) for b in budgets]
         tree = DraftTree.chain(roots, torch.stack(drafts, 1), counts, torch.stack(probs, 1) if probs else None)
         tree.resume = Resume(layer=self.exit_layer, hidden=torch.cat(exits, 1))
         return tree
@@ -224,7 +224,7 @@ class LayerSkipProposer(Proposer):
             if self.adapter is not None:
                 self._sync_adapter(state, result, fed=0)
             return
-        proposed = (tree.valid.sum(1) - 1).tolist()
+        proposed = result.proposed if result.proposed is not None else (tree.valid.sum(1) - 1).tolist()
         for b, n_acc in enumerate(result.num_accepted):
             if result.paths[b] and proposed[b] > 0:
                 self.estimator.update("all", proposed[b], n_acc)

@@ -161,7 +161,7 @@ class LookaheadProposer(Proposer):
         self.estimator = AcceptanceEstimator(prior_alpha=0.3, prior_weight=2.0, decay=0.95)
         self.rows = []
         for b in range(state.batch_size):
-            prompt = state.row_tokens(b).tolist()
+            prompt = state.row_list(b)
             seed = zlib.crc32(",".join(map(str, prompt)).encode())  # deterministic per prompt, no global RNG
             row = _Row(index=b, pool=NGramPool(self.guess_set_size), rng=random.Random(seed), prompt=prompt)
             self._start_window(row)
@@ -171,7 +171,7 @@ class LookaheadProposer(Proposer):
 
     def propose(self, state):
         tokens, parents = [], []
-        roots = state.roots().tolist()
+        roots = [state.host_tokens[b][n - 1] for b, n in enumerate(state.lengths)]
         for b, row in enumerate(self.rows):
             row.guesses, row.slots = [], None
             budget = state.max_drafts[b]
@@ -183,7 +183,7 @@ class LookaheadProposer(Proposer):
             if row.levels is None:  # the adaptive schedule switched it off: count the pause down
                 row.pause -= 1
                 if row.pause <= 0:
-                    self._start_window(row, state.row_tokens(b).tolist())
+                    self._start_window(row, state.row_list(b))
             window = row.levels is not None and budget >= self.window_depth
             guesses, window = self._choose(state, row, guesses, window)
             row_tokens = [g.token for g in guesses]
@@ -206,7 +206,9 @@ class LookaheadProposer(Proposer):
         ours = tree is self.tree and state.tree_logits is not None  # not a plain step the loop took on its own
         self.tree = None
         # [B, N] the target's argmax at every node (raw logits: the n-grams are only guesses, exact either way)
-        choice = state.tree_logits.argmax(-1).tolist() if ours else None
+        choice = None
+        if ours:  # greedy acceptance read them with the paths; else one read here
+            choice = result.choices if result.choices is not None else state.tree_logits.argmax(-1).tolist()
         for b, row in enumerate(self.rows):
             row.credit *= DECAY
             row.runs *= DECAY
@@ -299,7 +301,7 @@ class LookaheadProposer(Proposer):
             row.levels = levels[1:] + [new]
             row.stale = 0 if fresh else row.stale + 1
             if row.stale >= self.ngram_size:  # stuck at a fixed point (a loop of one token, say): start again
-                self._start_window(row, state.row_tokens(row.index).tolist())
+                self._start_window(row, state.row_list(row.index))
         else:  # still filling: every level loses the column the root just passed
             row.levels = [level[1:] for level in levels] + [new[1:]]
 
@@ -351,7 +353,7 @@ class LookaheadProposer(Proposer):
             return
         n = self.ngram_size
         for b, row in enumerate(self.rows):
-            seq = state.row_tokens(b)[row.text_done:].tolist()  # from the first n-gram not added yet
+            seq = state.row_list(b)[row.text_done:]  # from the first n-gram not added yet
             for j in range(len(seq) - n + 1):
                 row.pool.add(seq[j], tuple(seq[j + 1:j + n]), TEXT_SOURCE)
             row.text_done += max(len(seq) - n + 1, 0)

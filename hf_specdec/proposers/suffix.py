@@ -382,12 +382,12 @@ class SuffixProposer(Proposer):
     def begin(self, state) -> None:
         self.local = [SuffixIndex(self.max_depth) for _ in range(state.batch_size)]
         for b, index in enumerate(self.local):
-            index.extend(0, state.row_tokens(b).tolist())
+            index.extend(0, state.row_list(b))
         self.live = None
         if self.cache is not None:
             self.live = [self.cache.open() for _ in range(state.batch_size)]
             for b, seq_id in enumerate(self.live):
-                self.cache.extend(seq_id, state.tokens[b, state.prompt_length:state.lengths[b]].tolist())
+                self.cache.extend(seq_id, state.host_tokens[b][state.prompt_length:state.lengths[b]])
         self.calibration: dict[tuple[str, int], float] = {}  # (source, match-length bucket) -> accepted / predicted
         self.pending: list[RowDraft | None] = [None] * state.batch_size
 
@@ -401,7 +401,7 @@ class SuffixProposer(Proposer):
             if budget <= 0:
                 drafts.append(None)
                 continue
-            context = state.row_tokens(b)[-(depth - 1):].tolist()
+            context = state.row_list(b)[-(depth - 1):]
             opts = dict(max_tokens=budget, alpha=self.factor, offset=self.offset, min_prob=self.min_prob,
                         tree=self.tree)
             found = [("own", self.local[b].speculate(context, own_tail=len(context), **opts))]
