@@ -49,6 +49,21 @@ def test_bench_end_to_end(tmp_path):
     assert saved["summary"] and saved["runs"] and saved["cost_curve_ms"]
     assert "| gsm8k | prompt_lookup |" in markdown(result)
     assert set(result["memory_check"]) == names
+    # per-step overheads: host reads per step (one counted call per method and dataset) and host time per step
+    assert set(result["syncs"]) == {"gsm8k", "copy"} and set(result["syncs"]["gsm8k"]) == names
+    for counts in result["syncs"]["gsm8k"].values():
+        assert counts["count"] >= 0 and counts["steps"] >= 1 and counts["per_step"] == counts["count"] / counts["steps"]
+        assert sum(counts["by_name"].values()) == counts["count"]
+    assert result["syncs"]["gsm8k"]["oracle:2"]["steps"] < result["syncs"]["gsm8k"]["plain"]["steps"]
+    for row in result["summary"]:
+        assert row["syncs_per_step"] == result["syncs"][row["dataset"]][row["method"]]["per_step"]
+        assert row["host_ms_per_step"] is not None
+    assert all(r["steps"] == r["target_forwards"] - 1 and r["host_ms_per_step"] is not None for r in result["runs"])
+    table = markdown(result)
+    assert "| host ms/step | syncs/step |" in table
+    with open(tmp_path / "bench.csv") as f:
+        header = f.readline().strip().split(",")
+    assert {"host_ms_per_step", "syncs_per_step"} <= set(header)
     pytest.importorskip("matplotlib")
     assert (tmp_path / "speedup.png").is_file() and (tmp_path / "forward_cost.png").is_file()
 
@@ -203,6 +218,13 @@ def test_bench_under_background_load_only():
     assert len(result["background_load"]["pids"]) == 1 and _gone(result["background_load"]["pids"][0])
     assert all(r["loaded"] for r in result["runs"])
     assert not any(k.endswith("_loaded") for r in result["summary"] for k in r)  # one condition: the usual keys
+
+
+def test_bench_without_sync_counting():
+    result = run_bench(tiny_model("llama"), _chat_tokenizer(), build_methods(["prompt_lookup"]), ["gsm8k"], limit=1,
+                       max_new_tokens=4, progress=False, count_syncs=False)
+    assert result["syncs"] == {} and all(r["syncs_per_step"] is None for r in result["summary"])
+    assert "| – |" in markdown(result)
 
 
 def test_bench_layerskip_and_transformers_early_exit():

@@ -30,16 +30,21 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
 * ``runs``: one record per (method, prompt): ``method, dataset, prompt_id, new_tokens, seconds,
   prefill_seconds, target_forwards, forward_sizes, target_forward_seconds, drafter_forward_seconds, tau,
   ceiling, identical, loaded, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated
-  memory on CUDA), ``peak_abs_mb`` (absolute peak), ``stats`` (hf_specdec's ``speculative_stats``, when available)
-  and ``dtype`` (of the model that ran it: the target's, float32 for ``plain_fp32``, whose forwards are not probed:
-  no ``tau`` or ``ceiling``)
+  memory on CUDA), ``peak_abs_mb`` (absolute peak), ``steps`` (target forwards after the prefill: the loop's
+  verification steps, stock ``generate()``'s decoding steps), ``host_ms_per_step`` (see below), ``stats``
+  (hf_specdec's ``speculative_stats``, when available) and ``dtype`` (of the model that ran it: the target's, float32
+  for ``plain_fp32``, whose forwards are not probed: no ``tau``, ``ceiling`` or ``host_ms_per_step``)
 * ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
   efficiency, draft_share, loop_overhead (time outside the target's forwards and the drafting per target forward,
-  relative to one 1-token forward), peak_mem_mb, peak_abs_mb, mismatches``, ``proposed_drafts`` and
-  ``accepted_drafts`` (summed over the prompts; ``None`` for a run without ``speculative_stats``), when
-  ``plain_kernels`` ran, ``speedup_vs_kernels`` (median per-prompt ratio against it), when ``plain_fp32`` ran,
-  ``speedup_vs_fp32`` (the same against it), and for a half-precision target ``match_rate`` (the share of the
-  method's runs token-identical to plain ``generate()`` in the same dtype; for ``plain_fp32``, informative)
+  relative to one 1-token forward), host_ms_per_step, syncs_per_step, peak_mem_mb, peak_abs_mb, mismatches``,
+  ``proposed_drafts`` and ``accepted_drafts`` (summed over the prompts; ``None`` for a run without
+  ``speculative_stats``), when ``plain_kernels`` ran, ``speedup_vs_kernels`` (median per-prompt ratio against it),
+  when ``plain_fp32`` ran, ``speedup_vs_fp32`` (the same against it), and for a half-precision target ``match_rate``
+  (the share of the method's runs token-identical to plain ``generate()`` in the same dtype; for ``plain_fp32``,
+  informative)
+* ``syncs`` (unless ``count_syncs=False``): ``{dataset: {method: {"count", "steps", "per_step", "by_name"}}}``, the
+  host reads of tensor values (:class:`hf_specdec.syncs.SyncCounter`) of one call per method on the dataset's first
+  prompt (batch)
 * ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
 * ``background_load``: ``{"mode": "off" | "on" | "both", "processes", "pids"}`` (see below)
 
@@ -52,6 +57,14 @@ falls on both conditions alike. Every run record then has ``loaded: true/false``
 figures under the usual keys and the loaded ones beside them with the suffix ``_loaded`` (``tau_loaded``,
 ``proposed_drafts_loaded``, ``speedup_median_loaded``, ``speedup_vs_kernels_loaded``, ...; see
 :data:`LOADED_FIELDS`). Every output, loaded or not, is compared with the baseline of the same round.
+
+Per-step overheads. ``host_ms_per_step`` is the wall time of a call outside the target's forwards (the loop's own
+work, the drafting, generate()'s set-up) over its steps (target forwards after the prefill): on a CPU the forwards are
+timed with ``perf_counter``, on CUDA with events (the forwards' device time), so there it is the part of a step the
+device does not spend in the target. ``syncs_per_step`` is the number of host reads of tensor values (each one a
+host-device synchronisation on a GPU; :mod:`hf_specdec.syncs`) over the same steps. Counting intercepts every torch
+call, which would slow a timed call, so the reads are counted in one extra, untimed call per method and dataset (its
+first prompt batch, after the warm-up); a call's count is a property of its code path, not of the machine.
 
 Besides ``bench.json``, :func:`write_outputs` writes ``bench.md`` (the table :func:`markdown` prints), ``bench.csv``
 (the summary, one row per method and dataset, the same keys as ``summary``) and PNG plots.
@@ -77,6 +90,7 @@ from ..dtypes import dtype_name
 from ..entry import decoding_method
 from ..kernels import padded_plain_decoding
 from ..runners import runner_for
+from ..syncs import SyncCounter
 from . import load as load_mod
 from .data import DATASETS, load
 from .oracle import OracleProposer
@@ -91,15 +105,19 @@ class ForwardProbe:
     For a decoder-only model the count and sizes come from its *last decoder layer*: a target forward is what ends
     in it, whether it ran through the model's ``forward`` or in pieces (LayerSkip's verification runs the late
     layers alone; transformers' ``assistant_early_exit`` drafts with the first layers only, which is no target
-    forward). The times are those of the model's ``forward`` calls (``seconds`` may then be shorter than ``sizes``).
+    forward). The times are those of the model's ``forward`` calls (``seconds`` may then be shorter than ``sizes``):
+    with ``time_calls``, wall time (``perf_counter``) on a CPU and, on CUDA, the device time between two events
+    recorded around each call (no synchronisation; read once the caller has synchronised, after the call).
     """
 
     def __init__(self, module, time_calls: bool):
         self.module = module
         self.time_calls = time_calls
+        self.cuda = time_calls and next(module.parameters()).device.type == "cuda"
         self.calls: list[int] = []  # new tokens of each forward() call
         self.ends: list[int] = []  # new tokens of each call of the last decoder layer
-        self.seconds: list[float] = []
+        self._seconds: list[float] = []
+        self._events: list[tuple] = []  # CUDA: (start, end) per call, read by ``seconds``
         self._t0 = None
         self._handles = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -113,6 +131,14 @@ class ForwardProbe:
     def sizes(self) -> list[int]:
         return self.ends if self.ends else self.calls
 
+    @property
+    def seconds(self) -> list[float]:
+        """Seconds of each ``forward`` call (zeros without ``time_calls``); on CUDA, read after a synchronisation."""
+        if self._events:
+            self._seconds += [start.elapsed_time(end) / 1000 for start, end in self._events]
+            self._events = []
+        return self._seconds
+
     def _end(self, module, args, kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
         self.ends.append(int(hidden.shape[1]) if hidden is not None else 0)
@@ -122,13 +148,22 @@ class ForwardProbe:
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         self.calls.append(int(ids.shape[1]) if ids is not None else 0)
-        self._t0 = time.perf_counter()
+        if self.cuda:
+            self._t0 = torch.cuda.Event(enable_timing=True)
+            self._t0.record()
+        else:
+            self._t0 = time.perf_counter()
 
     def _post(self, module, args, output):
-        self.seconds.append(time.perf_counter() - self._t0 if self.time_calls else 0.0)
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((self._t0, end))
+        else:
+            self._seconds.append(time.perf_counter() - self._t0 if self.time_calls else 0.0)
 
     def reset(self):
-        self.calls, self.ends, self.seconds = [], [], []
+        self.calls, self.ends, self._seconds, self._events = [], [], [], []
 
     def remove(self):
         for h in self._handles:
@@ -365,12 +400,14 @@ def _encode(tokenizer, texts, device):
 def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str], limit: int, max_new_tokens: int,
               batch_size: int = 1, drafter=None, out: str | None = None, memory_check: int = 0,
               progress: bool = True, config: dict | None = None, seed: int = 0,
-              background_load: str = "off", curve_sizes: list[int] | None = None, warmup_tokens: int = 10**9) -> dict:
+              background_load: str = "off", curve_sizes: list[int] | None = None, warmup_tokens: int = 10**9,
+              count_syncs: bool = True) -> dict:
     """Run the baseline and ``methods`` on the first ``limit`` prompts of each of ``datasets``; return the result
     (schema at the top of this module) and write it to ``out`` when given.
 
     ``curve_sizes``: the forward sizes of the cost curve (default 1..32); ``warmup_tokens``: tokens per warm-up call
-    (default: ``max_new_tokens``).
+    (default: ``max_new_tokens``); ``count_syncs``: count the host reads per step of every method (one extra, untimed
+    call per method and dataset; the ``syncs`` entry and the ``syncs_per_step`` column).
 
     ``background_load``: ``"off"`` (default), ``"on"`` (every timed row under a synthetic load keeping one core
     busy) or ``"both"`` (each prompt quiet and loaded in turn; the summary holds both, loaded keys with the suffix
@@ -393,7 +430,7 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
             raise ValueError(f"{m.name}: the draft model is {assistant.dtype}, the target {model.dtype}; load it in "
                              "the target's dtype (registry.load_drafter(\"assisted\", folder, target) does).")
     device = model.device
-    time_calls = device.type != "cuda"  # per-forward timing would add a sync per forward on a GPU
+    time_calls = True  # CPU: perf_counter around each forward; CUDA: events, read after the call's synchronisation
     probe = ForwardProbe(model, time_calls)
     dprobe = ForwardProbe(drafter, time_calls) if drafter is not None else None
     gen = dict(max_new_tokens=max_new_tokens, do_sample=False)
@@ -403,7 +440,7 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def one(method: BenchMethod | None, enc, reference=None):
+    def one(method: BenchMethod | None, enc, reference=None, counter: SyncCounter | None = None):
         kwargs = dict(gen)
         if method is not None:
             kwargs.update(method.kwargs)
@@ -420,7 +457,8 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
         start_mem = _reset_peak(device)
         sync()
         t0 = time.perf_counter()
-        with (method.context(target) if method is not None and method.context else contextlib.nullcontext()):
+        with (method.context(target) if method is not None and method.context else contextlib.nullcontext()), \
+                (counter if counter is not None else contextlib.nullcontext()):
             out = target.generate(**enc, **kwargs)
         sync()
         seconds = time.perf_counter() - t0
@@ -454,6 +492,13 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     ctx = ctx.repeat(1, max(1, 256 // ctx.shape[1] + 1))[:, :256].repeat(batch_size, 1)
     curve = forward_cost_curve(model, ctx, sizes)
     curve_own = forward_cost_curve(model, ctx, sizes, kernels=False) if device.type == "cpu" else None
+
+    # ---- host reads per step: one untimed call per method on each dataset's first prompt (batch)
+    syncs = {}
+    if count_syncs:
+        for ds, plist in prompts.items():
+            enc = _encode(tokenizer, [p.text for p in plist[:batch_size]], device)
+            syncs[ds] = _count_syncs(one, probe, methods, enc)
 
     # ---- the timed rows: per prompt (batch), one round per load condition
     conditions = {"off": (False,), "on": (True,), "both": (False, True)}[background_load]
@@ -503,7 +548,8 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
         "cost_curve_ms": curve,
         "cost_curve_model_kernels_ms": curve_own,
         "runs": runs,
-        "summary": summarize(runs, curve),
+        "syncs": syncs,
+        "summary": summarize(runs, curve, syncs),
     }
     if memory_check:
         result["memory_check"] = _memory_check(model, tokenizer, methods, enc0, ref0, gen, memory_check, one)
@@ -520,6 +566,30 @@ def _loaded(pids: list[int]):
         yield procs
 
 
+def _count_syncs(one, probe: ForwardProbe, methods: list[BenchMethod], enc) -> dict:
+    """``{method: {"count", "steps", "per_step", "by_name"}}``: the host reads of tensor values of one call of plain
+    ``generate()`` and of each method on ``enc`` (:class:`~hf_specdec.syncs.SyncCounter`), over its steps (target
+    forwards after the prefill). A model other than the bench's target (``plain_fp32``) is not probed: its steps are
+    the new tokens."""
+    report = {}
+    ref = None
+    for m in [None] + list(methods):
+        counter = SyncCounter()
+        seq, _, _, _ = one(m, enc, ref, counter=counter)
+        if m is None:
+            ref = seq
+        if m is not None and m.model is not None:
+            steps = int(seq.shape[1] - enc["input_ids"].shape[1]) - 1
+        else:
+            steps = len(probe.sizes) - 1
+        steps = max(steps, 1)
+        report[m.name if m is not None else "plain"] = {
+            "count": counter.count, "steps": steps, "per_step": counter.count / steps,
+            "by_name": dict(counter.by_name.most_common()),
+        }
+    return report
+
+
 def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool, dtype: torch.dtype) -> list[dict]:
     """The ``runs`` entries of one round (the baseline and every method on one prompt batch); ``dtype``: the
     target's."""
@@ -533,11 +603,14 @@ def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool, 
         forward_seconds = sum(fsecs)
         if stats and len(fsizes) > len(fsecs):  # forwards run in pieces (LayerSkip): the loop's own timing
             forward_seconds = stats["verify_seconds"]
+        steps = len(decode_sizes)
         runs.append(dict(
             method=m.name if m else "plain", dataset=dataset, prompt_id=",".join(p.id for p in batch),
             new_tokens=new_tokens, seconds=secs, prefill_seconds=fsecs[0] if fsecs else None,
-            target_forwards=len(fsizes), forward_sizes=decode_sizes,
+            target_forwards=len(fsizes), forward_sizes=decode_sizes, steps=steps,
             target_forward_seconds=forward_seconds, drafter_forward_seconds=sum(dsecs),
+            # wall time outside the target's forwards per step (None: forwards not probed, e.g. plain_fp32)
+            host_ms_per_step=1000 * (secs - forward_seconds) / steps if steps and fsecs else None,
             tau=(n_decode / seq.shape[0]) / len(decode_sizes) if decode_sizes else None,
             ceiling=(n_decode / seq.shape[0]) / cost if cost else None,
             identical=bool(seq.shape == ref.shape and torch.equal(seq.cpu(), ref.cpu())),
@@ -582,19 +655,21 @@ def _machine(device):
 
 LOADED_FIELDS = ("tau", "proposed_drafts", "accepted_drafts", "tokens_per_s", "speedup_median", "speedup_total",
                  "speedup_vs_kernels", "speedup_vs_fp32", "ceiling", "efficiency", "draft_share", "loop_overhead",
-                 "mismatches", "match_rate")
+                 "host_ms_per_step", "mismatches", "match_rate")
 """The summary keys that also appear with the suffix ``_loaded`` when the bench ran with ``background_load="both"``."""
 
 
-def summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
+def summarize(runs: list[dict], curve: dict[int, float], syncs: dict | None = None) -> list[dict]:
     """One row per (method, dataset) (keys in the module's schema). Runs of both load conditions: the quiet figures
     under the usual keys, the loaded ones of the same method and dataset beside them (:data:`LOADED_FIELDS` with
-    the suffix ``_loaded``)."""
+    the suffix ``_loaded``). ``syncs``: the bench's ``syncs`` entry (``syncs_per_step``; ``None`` without it)."""
     quiet = [r for r in runs if not r.get("loaded")]
     loaded = [r for r in runs if r.get("loaded")]
+    rows = _summarize(quiet if quiet and loaded else runs, curve)
+    for row in rows:
+        row["syncs_per_step"] = ((syncs or {}).get(row["dataset"], {}).get(row["method"]) or {}).get("per_step")
     if not quiet or not loaded:
-        return _summarize(runs, curve)
-    rows = _summarize(quiet, curve)
+        return rows
     under_load = {(r["dataset"], r["method"]): r for r in _summarize(loaded, curve)}
     for row in rows:
         other = under_load.get((row["dataset"], row["method"]), {})
@@ -649,6 +724,8 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                 efficiency=statistics.median(eff) if m != "plain" and ceilings else None,
                 draft_share=statistics.mean(draft) if draft else 0.0,
                 loop_overhead=statistics.median(overhead) if overhead else None,
+                host_ms_per_step=(statistics.median(h for r in mine if (h := r.get("host_ms_per_step")) is not None)
+                                  if any(r.get("host_ms_per_step") is not None for r in mine) else None),
                 peak_mem_mb=max(r["peak_mem_mb"] for r in mine),
                 peak_abs_mb=max(r["peak_abs_mb"] for r in mine),
                 mismatches=sum(not r["identical"] for r in mine),
@@ -674,7 +751,8 @@ _COLUMNS = (  # (header, summary key, format); a trailing "x" in the format is w
     ("speedup (median)", "speedup_median", ".2fx"), ("speedup (total)", "speedup_total", ".2fx"),
     ("vs plain_kernels (median)", "speedup_vs_kernels", ".2fx"), ("vs fp32 stock (median)", "speedup_vs_fp32", ".2fx"),
     ("ceiling", "ceiling", ".2f"), ("efficiency", "efficiency", ".2f"), ("draft share", "draft_share", ".1%"),
-    ("loop overhead", "loop_overhead", ".1%"), ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
+    ("loop overhead", "loop_overhead", ".1%"), ("host ms/step", "host_ms_per_step", ".2f"),
+    ("syncs/step", "syncs_per_step", ".1f"), ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
     ("mismatches", "mismatches", "d"), ("match", "match_rate", ".0%"), ("exact bits", "exact_bits", ""),
 )
 _OPTIONAL_COLUMNS = ("speedup_vs_kernels", "speedup_vs_fp32", "match_rate", "exact_bits")  # shown when a row has them
