@@ -317,7 +317,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         past = state.layout.length
         logits, state.hidden_states = target.verify(state, tree)  # [B, N, V]
         state.tree_logits = logits
-        prefixes = [state.prefix(b) for b in range(state.batch_size)]
+        greedy = not state.do_sample and process is None  # the rule on the device, without the prefixes
+        prefixes = None if greedy else [state.prefix(b) for b in range(state.batch_size)]
         result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
                         typical=typical)
         elapsed = time.perf_counter() - t0

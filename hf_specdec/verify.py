@@ -130,42 +130,51 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scor
     bsz, n = tree.tokens.shape
     choice = logits.argmax(-1)  # [B, N]
     nodes = torch.arange(n, device=choice.device)
-    if tree.is_chain:
+    if tree.is_chain:  # the path is nodes 0..n_acc: only the counts, the tokens and the choices come back
         match = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
         n_acc = match.cumprod(1).sum(1)  # [B]
-        order = nodes.expand(bsz, n)
-        last = n_acc
-    else:
-        ok = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))) & tree.valid
-        ok[:, 0] = True
-        kept = ~(tree.ancestors & ~ok[:, None, :]).any(-1) & tree.valid  # every ancestor (itself included) ok
-        last = torch.where(kept, tree.depths, -1).argmax(1)  # [B] the first of the deepest kept nodes
-        path = tree.ancestors[torch.arange(bsz, device=choice.device), last]  # [B, N] its ancestors
-        order = torch.where(path, nodes, n).sort(1).values.clamp(max=n - 1)  # path nodes first, in depth order
-        n_acc = path.sum(1) - 1
+        nxt = choice.gather(1, n_acc[:, None])
+        rows = torch.cat([n_acc[:, None], nxt, tree.valid.sum(1, keepdim=True) - 1, tree.tokens, choice], 1).tolist()
+        return _result(rows, n, logits, active, want_scores, want_logits, nodes.expand(bsz, n), chain=True)
+    ok = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))) & tree.valid
+    ok[:, 0] = True
+    kept = ~(tree.ancestors & ~ok[:, None, :]).any(-1) & tree.valid  # every ancestor (itself included) ok
+    last = torch.where(kept, tree.depths, -1).argmax(1)  # [B] the first of the deepest kept nodes
+    path = tree.ancestors[torch.arange(bsz, device=choice.device), last]  # [B, N] its ancestors
+    order = torch.where(path, nodes, n).sort(1).values.clamp(max=n - 1)  # path nodes first, in depth order
+    n_acc = path.sum(1) - 1
     nxt = choice.gather(1, last[:, None])
     packed = torch.cat([n_acc[:, None], nxt, tree.valid.sum(1, keepdim=True) - 1, order,
                         tree.tokens.gather(1, order), choice], dim=1)
     rows = packed.tolist()  # the step's one host read
+    return _result(rows, n, logits, active, want_scores, want_logits, order, chain=False)
+
+
+def _result(rows: list[list[int]], n: int, logits: torch.Tensor, active: list[bool], want_scores: bool,
+            want_logits: bool, order: torch.LongTensor, chain: bool) -> AcceptResult:
+    """The :class:`AcceptResult` of :func:`_greedy` from its one read: per row ``[accepted, next token, drafts,
+    (path nodes,) path tokens, argmax per node]`` (path nodes only for trees: a chain's are ``0..accepted``)."""
     paths, new_tokens, proposed, choices = [], [], [], []
     scores = [] if want_scores else None
     raw = [] if want_logits else None
+    at = 3 if chain else 3 + n  # where the path's tokens start
     for b, row in enumerate(rows):
         count = row[0] + 1
         proposed.append(row[2])
-        choices.append(row[3 + 2 * n:])
+        choices.append(row[at + n:])
         if not active[b]:
             path, toks = [], []
         else:
-            path = row[3:3 + count]
-            toks = row[3 + n + 1:3 + n + count] + [row[1]]
+            path = list(range(count)) if chain else row[3:3 + count]
+            toks = row[at + 1:at + count] + [row[1]]
         paths.append(path)
         new_tokens.append(toks)
-        picked = [logits[b, i] for i in path]
-        if scores is not None:
-            scores.append(picked)
-        if raw is not None:
-            raw.append(picked)
+        if want_scores or want_logits:
+            picked = [logits[b, i] for i in path]
+            if scores is not None:
+                scores.append(picked)
+            if raw is not None:
+                raw.append(picked)
     return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=proposed,
                         path_index=order, choices=choices)
 
