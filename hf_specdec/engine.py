@@ -43,6 +43,7 @@ from .rows import RowBook, Stopper
 from .runners import TargetRunner, call_lock, runner_for
 from .state import DecodingState
 from .syncs import to_device
+from .timing import StepTimer
 from .tree import DraftTree
 from .verify import AcceptResult, accept
 
@@ -286,6 +287,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
 
     proposer.begin(state)
     process = state.process_fn()
+    timer = StepTimer(state.device)
     # time only the tree sizes this call can use: a larger calibration forward would run past max_length, past the
     # position table of a model with absolute positions (GPT-2) when the prompt is close to its context window
     usable_nodes = min(proposer.max_nodes, max(rows.budgets()) + 1)
@@ -315,7 +317,11 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         # ---- verify: one target forward over every node
         t0 = time.perf_counter()
         past = state.layout.length
+        timer.start()
         logits, state.hidden_states = target.verify(state, tree)  # [B, N, V]
+        # the forward's cost (a resumed one, LayerSkip, is cheaper than the full one the model measures); on CUDA
+        # read from events once they completed, a step or so later, never waiting for them
+        timer.stop(tree.num_nodes if tree.resume is None else None)
         state.tree_logits = logits
         greedy = not state.do_sample and process is None  # the rule on the device, without the prefixes
         prefixes = None if greedy else [state.prefix(b) for b in range(state.batch_size)]
@@ -324,8 +330,9 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         elapsed = time.perf_counter() - t0
         stats.verify_seconds += elapsed
         stats.target_forward_passes += 1
-        if tree.resume is None:  # a resumed forward (LayerSkip) is cheaper than the full one the model measures
-            state.cost_model.record(tree.num_nodes, elapsed)
+        for nodes, seconds in timer.ready():
+            if nodes is not None:
+                state.cost_model.record(nodes, seconds)
         unit = state.cost_model.step_seconds() if gate is not None and drafting else None
         if unit:  # what asking for drafts realised, for the speculation gate (batches only)
             active = [b for b in range(state.batch_size) if state.active[b]]
@@ -342,6 +349,9 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         rows.commit_rows({b: result.new_tokens[b] for b in going}, result.scores, result.logits)
         proposer.commit(state, tree, result)
         rows.settle()
+    for nodes, seconds in timer.flush():
+        if nodes is not None:
+            state.cost_model.record(nodes, seconds)
     proposer.end(state)
 
 
