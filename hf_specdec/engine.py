@@ -379,14 +379,19 @@ def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, 
     """Keep the accepted path's columns of the ``N`` verified ones (after ``past``) in the cache and the layout."""
     kept = [len(p) for p in result.paths]
     width = max(kept)
-    if result.path_index is not None:  # the rule ran on the device: its paths are there already
+    if result.is_prefix_paths():
+        path_nodes = None
+    elif result.path_index is not None:  # the rule ran on the device: its paths are there already
         path_nodes = result.path_index[:, :width]
     else:
         path_nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], state.device)  # [B, W]
-    if result.is_prefix_paths():
+    keep = to_device([[j < k for j in range(width)] for k in kept], state.device, dtype=torch.bool)
+    if result.is_prefix_paths():  # nodes 0..width-1 at depths 0..width-1 (a chain): no gathers
         cache_ops.crop(state.cache, past + width)
+        positions = state.root_positions[:, None] + tree.depths[:, :width]
+        tokens = tree.tokens[:, :width]
     else:
         cache_ops.keep_columns(state.cache, past, path_nodes)
-    keep = to_device(kept, state.device)[:, None] > torch.arange(width, device=state.device)[None]
-    state.layout.append(keep, state.root_positions[:, None] + tree.depths.gather(1, path_nodes),
-                        tree.tokens.gather(1, path_nodes), counts=kept)
+        positions = state.root_positions[:, None] + tree.depths.gather(1, path_nodes)
+        tokens = tree.tokens.gather(1, path_nodes)
+    state.layout.append(keep, positions, tokens, counts=kept)

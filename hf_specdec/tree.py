@@ -54,6 +54,7 @@ class DraftTree:
     resume: "Resume | None" = None
     _depths: torch.LongTensor | None = field(default=None, repr=False)
     _ancestors: torch.BoolTensor | None = field(default=None, repr=False)
+    host_drafts: list[int] | None = field(default=None, repr=False)  # drafts per row, where known on the host
 
     @property
     def batch_size(self) -> int:
@@ -99,24 +100,30 @@ class DraftTree:
         device = root.device
         if drafts is None:
             drafts = root.new_zeros((bsz, 0))
+        counts = None
         if isinstance(num_drafts, (list, tuple)):
-            longest = max(num_drafts, default=0)
-            num_drafts = to_device(num_drafts, device)
+            counts = [int(c) for c in num_drafts]
+            longest = max(counts, default=0)
             if drafts.shape[1] > longest:
                 drafts = drafts[:, :longest]
                 draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
         k = drafts.shape[1]
         tokens = torch.cat([root[:, None], drafts], dim=1)
-        parents = (torch.arange(k + 1, device=device) - 1).expand(bsz, k + 1)
+        parents = _chain_parents(bsz, k + 1, device)
         if num_drafts is None:
-            valid = torch.ones(bsz, k + 1, dtype=torch.bool, device=device)
+            counts = [k] * bsz
+        if counts is not None:  # valid nodes and depths from the host counts: one copy, nothing computed
+            rows = to_device([[j if j <= c else -1 for j in range(k + 1)] for c in counts], device)
+            valid, depths = rows >= 0, rows.clamp(min=0)  # padding nodes: depth 0
         else:
             valid = torch.arange(k + 1, device=device)[None, :] <= num_drafts.to(device)[:, None]
+            depths = torch.arange(k + 1, device=device).expand(bsz, k + 1) * valid  # padding nodes: depth 0
         probs = None
         if draft_probs is not None:
             probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
-        depths = torch.arange(k + 1, device=device).expand(bsz, k + 1) * valid  # padding nodes: depth 0
-        return cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
+        tree = cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
+        tree.host_drafts = counts
+        return tree
 
     @property
     def depths(self) -> torch.LongTensor:
@@ -139,7 +146,7 @@ class DraftTree:
             n = self.num_nodes
             device = self.tokens.device
             if self.is_chain:
-                anc = torch.ones(n, n, dtype=torch.bool, device=device).tril().expand(self.batch_size, n, n)
+                anc = _lower_triangle(n, device)
             else:
                 nodes = torch.arange(n, device=device)
                 reach = (self.parents[:, :, None] == nodes) | (nodes[:, None] == nodes)  # [B, N, N] parent or self
@@ -167,6 +174,23 @@ class DraftTree:
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         return path[::-1]
+
+
+_CONSTANTS: dict = {}  # small constant tensors per shape and device (chain parents, triangles): made once
+
+
+def _chain_parents(bsz: int, n: int, device) -> torch.LongTensor:
+    key = ("parents", bsz, n, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = (torch.arange(n, device=device) - 1).expand(bsz, n)
+    return _CONSTANTS[key]
+
+
+def _lower_triangle(n: int, device) -> torch.BoolTensor:
+    key = ("tril", n, str(device))
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    return _CONSTANTS[key]
 
 
 def build_attention_mask(

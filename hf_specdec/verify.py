@@ -134,7 +134,11 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scor
         match = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
         n_acc = match.cumprod(1).sum(1)  # [B]
         nxt = choice.gather(1, n_acc[:, None])
-        rows = torch.cat([n_acc[:, None], nxt, tree.valid.sum(1, keepdim=True) - 1, tree.tokens, choice], 1).tolist()
+        drafts = tree.host_drafts
+        counted = [] if drafts is not None else [tree.valid.sum(1, keepdim=True) - 1]
+        rows = torch.cat([n_acc[:, None], nxt, *counted, tree.tokens, choice], 1).tolist()
+        if drafts is not None:
+            rows = [row[:2] + [d] + row[2:] for row, d in zip(rows, drafts)]
         return _result(rows, n, logits, active, want_scores, want_logits, nodes.expand(bsz, n), chain=True)
     ok = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))) & tree.valid
     ok[:, 0] = True
