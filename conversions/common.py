@@ -217,8 +217,10 @@ def load_target_config(target: str | os.PathLike | None, revision: str | None = 
 def load_converted_or_published(source: str | os.PathLike, target, model_cls, convert):
     """A drafter of ``model_cls`` for ``target`` from a folder or Hub repo id: a folder converted by hf_specdec
     (its ``config.json`` names ``model_cls``'s model type) loads with ``from_pretrained``; a published layout is
-    converted in memory with ``convert``, which fetches only the files its layout needs. On the target's device and
-    dtype, in eval mode."""
+    converted in memory with ``convert``, which fetches only the files its layout needs. On the target's drafter
+    device (:func:`hf_specdec.placement.drafter_device`) and dtype, in eval mode."""
+    from hf_specdec.placement import drafter_device
+
     folder = resolve_source(source, allow_patterns=["config.json"])
     if read_config(folder).get("model_type") == model_cls.config_class.model_type:
         folder = resolve_source(source)
@@ -227,7 +229,7 @@ def load_converted_or_published(source: str | os.PathLike, target, model_cls, co
         model = model_cls.from_pretrained(str(folder), dtype=target.dtype)
     else:
         model = convert(source, dtype=target.dtype)
-    return model.to(target.device).eval()
+    return model.to(drafter_device(target)).eval()
 
 
 # ------------------------------------------------------------------------------------------------- export

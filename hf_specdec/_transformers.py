@@ -29,6 +29,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 # CPU kernels: the mask builder registered for their attention name (sdpa's); checked: 5.24.0, 5.25.0
 from transformers.masking_utils import sdpa_mask
+# attention.py: eager's mask builder (a name registered with it takes a 4D mask); checked: 5.24.0, 5.25.0
+from transformers.masking_utils import eager_mask
+# attention.py: FlashAttention's mask builder (a name registered with it sees padding only); checked: 5.24.0, 5.25.0
+from transformers.masking_utils import flash_attention_mask
+# attention.py: flex's mask builder (a name registered with it takes a BlockMask); checked: 5.24.0, 5.25.0
+from transformers.masking_utils import flex_attention_mask
 # MTP conversion: the options of transformers' loader (load_with_conversions); checked: 5.24.0, 5.25.0
 from transformers.modeling_utils import LoadStateDictConfig
 # drafters (EAGLE-3, DFlash, LayerSkip): Llama's RMSNorm module; checked: 5.24.0, 5.25.0
@@ -38,9 +44,11 @@ from transformers.utils import is_kernels_available
 
 __all__ = [
     "ACT2FN", "ALL_MASK_ATTENTION_FUNCTIONS", "DynamicSlidingWindowLayer", "LlamaRMSNorm", "attention_implementation",
+    "eager_mask", "flash_attention_mask", "flex_attention_mask",
     "from_pretrained_options", "keep_in_fp32_strict", "load_pretrained", "load_with_conversions", "no_split_modules",
     "pad_token_tensor", "run_assisted_decoding", "sdpa_attention_forward", "sdpa_mask", "set_attention_implementation",
-    "set_experts_implementation", "set_static_layer_length", "supports_logits_to_keep", "switch_attention",
+    "set_experts_implementation", "set_static_layer_length", "supports_logits_to_keep", "supports_sdpa",
+    "switch_attention",
 ]
 
 CHECKED = ("5.24.0", "5.25.0")  # the versions every name here was checked with
@@ -84,6 +92,12 @@ def set_attention_implementation(config, name: str) -> None:
     """Set a config's attention implementation through its setter (``_attn_implementation``: sub-configs too).
     Checked: 5.24.0, 5.25.0."""
     config._attn_implementation = name
+
+
+def supports_sdpa(model) -> bool:
+    """Whether a model's class runs transformers' sdpa attention (``PreTrainedModel._supports_sdpa``); a module that
+    is not a transformers model: True. Checked: 5.24.0, 5.25.0."""
+    return bool(getattr(model, "_supports_sdpa", True))
 
 
 def switch_attention(config, name: str) -> None:

@@ -28,7 +28,9 @@ class UnsupportedCacheError(ValueError):
 def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
     """A fresh, empty cache of the same kind as ``cache`` (dynamic unless it is static) that the loop can edit.
 
-    ``capacity`` is the number of columns a static cache must hold.
+    ``capacity`` is the number of columns a static cache must hold; a longer ``cache`` (``max_cache_len``, sized for
+    the longest call, as transformers' ``generation_config.max_cache_len``) keeps its length: the same shapes from
+    call to call for a compiled forward.
     """
     if cache is not None:
         if cache.get_seq_length() > 0:
@@ -44,6 +46,7 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
                 f" with layers {kinds}. Use the default dynamic cache or cache_implementation='static'."
             )
     if isinstance(cache, StaticCache):
+        capacity = max(capacity, cache.get_max_length() if cache.layers else 0)
         new = StaticCache(config=model.config, max_cache_len=capacity)
         new.layers = [StaticLayer(max_cache_len=capacity) for _ in new.layers]
         return new

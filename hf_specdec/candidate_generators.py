@@ -17,14 +17,17 @@ or, building the generator yourself (e.g. inside a subclass's ``_get_candidate_g
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
 from ._transformers import run_assisted_decoding
+from .attention import needs_switch, verifiable_attention
 from .cache import CacheLayout
 from .costs import ForwardCostModel
+from .placement import drafter_device
 from .proposers import DraftModelProposer, PromptLookupProposer
 from .proposers.prompt_lookup import MAX_NGRAM, NUM_TOKENS
 from .registry import build_proposer
@@ -51,12 +54,13 @@ class ProposerCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.max_length = max_length
         self.do_sample = do_sample
-        self.cost_model = ForwardCostModel(model.device.type)
+        self.cost_model = ForwardCostModel(drafter_device(model).type)
         self.state: DecodingState | None = None
         self._tree = None  # the drafts of the step in flight
         self._matches = None  # how many of them transformers accepted
         self._t_sent = None
         proposer.prepare(model)
+        self._switch = needs_switch(*proposer.draft_modules())
         # proposers fed with target hidden states (EAGLE-3) get them from transformers' previous forward
         self.requires_model_outputs = proposer.target_hidden_states is not None
         if self.requires_model_outputs:
@@ -98,13 +102,15 @@ class ProposerCandidateGenerator(CandidateGenerator):
         hidden = model_outputs.hidden_states if self.requires_model_outputs else None
         first = self.state is None
         state = self._sync(input_ids, hidden)
-        if not first:
-            # the previous step's outcome: transformers kept its root and the accepted drafts
-            n = int(n_last_matches) if n_last_matches is not None else int(self._matches or 0)
-            tree = self._tree if self._tree is not None else DraftTree.chain(input_ids[:, -(n + 2):-(n + 1)][:, 0])
-            result = AcceptResult(paths=[list(range(n + 1))], new_tokens=[input_ids[0, -(n + 1):].tolist()])
-            self.proposer.commit(state, tree, result)
-        tree = self.proposer.propose(state) if state.max_drafts[0] > 0 else None
+        # a drafter's forwards take 4D masks: a FlashAttention drafter drafts on sdpa (hf_specdec.attention)
+        with verifiable_attention(*self.proposer.draft_modules()) if self._switch else nullcontext():
+            if not first:
+                # the previous step's outcome: transformers kept its root and the accepted drafts
+                n = int(n_last_matches) if n_last_matches is not None else int(self._matches or 0)
+                tree = self._tree if self._tree is not None else DraftTree.chain(input_ids[:, -(n + 2):-(n + 1)][:, 0])
+                result = AcceptResult(paths=[list(range(n + 1))], new_tokens=[input_ids[0, -(n + 1):].tolist()])
+                self.proposer.commit(state, tree, result)
+            tree = self.proposer.propose(state) if state.max_drafts[0] > 0 else None
         self._tree, self._matches = tree, None
         self._t_sent = time.perf_counter()
         if tree is None:

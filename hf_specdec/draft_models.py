@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ._transformers import load_pretrained
+from .placement import drafter_device, materialized
 
 SHARED_FLAG = "hf_specdec_shares_target_embeddings"
 VOCAB_KEY = "hf_specdec_draft_vocab"  # target token ids the student drafts (a model attribute once loaded)
@@ -79,7 +80,8 @@ def _resolve(path: str, filename: str, revision=None) -> str:
 def load_draft_model(path: str | os.PathLike, target, revision=None):
     """Load a draft model for ``target``. A folder saved by :func:`save_draft_model` gets the target's embeddings and
     head (its hidden size and vocabulary are checked against the target's); any other folder or Hub id loads with
-    ``AutoModelForCausalLM.from_pretrained``. The model is put on the target's device and dtype, in eval mode."""
+    ``AutoModelForCausalLM.from_pretrained``. The model is put on the target's drafter device
+    (:func:`hf_specdec.placement.drafter_device`) and dtype, in eval mode."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -92,7 +94,7 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
         check_config_matches_weights(Path(path), config, AutoModelForCausalLM.from_config)
     if not getattr(config, SHARED_FLAG, False):
         model = load_pretrained(AutoModelForCausalLM, path, revision=revision, dtype=target.dtype)
-        return model.to(target.device).eval()
+        return model.to(drafter_device(target)).eval()
     text, mine = target.config.get_text_config(), config.get_text_config()
     for field in ("hidden_size", "vocab_size"):
         if getattr(text, field) != getattr(mine, field):
@@ -111,11 +113,11 @@ def load_draft_model(path: str | os.PathLike, target, revision=None):
                          f"unexpected {sorted(unexpected)[:5]}.")
     model.load_state_dict(state, strict=False)
     with torch.no_grad():
-        model.get_input_embeddings().weight.copy_(target.get_input_embeddings().weight)
+        model.get_input_embeddings().weight.copy_(materialized(target.get_input_embeddings()))
         head = model.get_output_embeddings()
         if head is not None and head.weight is not model.get_input_embeddings().weight:
-            head.weight.copy_(target.get_output_embeddings().weight)
-    model = model.to(device=target.device, dtype=target.dtype).eval()
+            head.weight.copy_(materialized(target.get_output_embeddings()))
+    model = model.to(device=drafter_device(target), dtype=target.dtype).eval()
     if vocab is not None:  # checked where it is used (proposers.draft_model.restricted_head)
         setattr(model, VOCAB_KEY, vocab)
     return model

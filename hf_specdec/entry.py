@@ -50,6 +50,12 @@ def _split_loop_options(opts: dict) -> dict:
     return {o.name: opts.pop(o.name) for o in registry.LOOP_OPTIONS if o.name in opts}
 
 
+def _runner(model, loop: dict):
+    """The call's target runner (:func:`~hf_specdec.runners.runner_for`); pops the ``compile`` option from ``loop``,
+    which chooses the compiled runner."""
+    return runner_for(model, compile=bool(loop.pop("compile", False)))
+
+
 class _DecodingMethod:
     """The callable :func:`decoding_method` returns (``model.generate(custom_generate=...)``).
 
@@ -104,8 +110,10 @@ class _DecodingMethod:
             proposer = self.fixed
         else:
             proposer = build_proposer(self.method, model, **opts)
+        runner = _runner(model, loop)
+        kwargs["cache"] = runner.cache_for_call(kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, runner=runner_for(model), streamer=dropped.get("streamer"),
+                                  proposer=proposer, runner=runner, streamer=dropped.get("streamer"),
                                   prompt_streamed=True, **loop, **kwargs)
 
 
@@ -164,9 +172,10 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
     loop = _split_loop_options(opts)
     proposer = build_proposer(method, model, **opts)
-    runner = runner_for(model)
+    runner = _runner(model, loop)
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **model_kwargs):
+        model_kwargs["cache"] = runner.cache_for_call(model_kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   proposer=proposer, streamer=streamer, runner=runner, **loop, **model_kwargs)
 

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from . import cache as cache_ops
+from .placement import input_device
 from .tree import build_attention_mask
 
 PROBE_PAST = 160  # prompt tokens before each tree (the attention's rounding can change with the key count)
@@ -54,7 +55,7 @@ def probe_exact_bits(runner, rounding: str | None = None, trees=PROBE_TREES) -> 
     Costs one prompt forward, one verification and about one one-token step per node, per tree (about 50 steps).
     """
     model = runner.model
-    device = next(model.parameters()).device
+    device = input_device(model)  # not model.device: ``meta`` where Accelerate offloaded the embeddings
     text = model.config.get_text_config()
     vocab = text.vocab_size
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)

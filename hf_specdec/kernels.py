@@ -458,12 +458,16 @@ class CpuKernelSession(TargetSession):
     """A :class:`~hf_specdec.runners.TargetSession` with :class:`VerifyKernels` installed for the call."""
 
     def __enter__(self) -> "CpuKernelSession":
+        super().__enter__()  # first: the kernels take over the attention it may have switched to sdpa
         self.kernels = VerifyKernels(self.model, drafters=self.drafters, choice=self.runner.choice,
                                      rounding=self.rounding).__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.kernels.__exit__(*exc)
+        try:
+            self.kernels.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
 
     def drafting(self):
         return self.kernels.drafting()

@@ -36,6 +36,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .placement import drafter_device
+
 BUILTIN_MODULES = ("prompt_lookup", "suffix", "lookahead", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
@@ -94,7 +96,11 @@ ROUNDING = Option("rounding", str, None,
                   "this CPU's products allow (probed: speculative_stats['exact_bits']), else as 'fast'; 'exact' "
                   "bit-identical on every CPU (slower where it is needed), 'fast' identical up to rounding",
                   choices=("auto", "exact", "fast"))
-LOOP_OPTIONS = (ROUNDING,)  # options of the loop, taken by every method (not passed to its proposer)
+COMPILE = Option("compile", bool, None,
+                 "torch.compile the target's verification forward (CUDA graphs on a GPU): a static KV cache and tree "
+                 "sizes padded to 1, 2, 4, ... 64 nodes, then multiples of 64; compiles once per model and size "
+                 "(minutes on a CPU), pays back over many calls (docs: hf_specdec/compiled.py)")
+LOOP_OPTIONS = (ROUNDING, COMPILE)  # options of the loop, taken by every method (not passed to its proposer)
 
 
 @dataclass(frozen=True)
@@ -546,7 +552,7 @@ def load_drafter(method: str | Method, drafter, target, options: dict | None = N
         module = drafter
     elif isinstance(drafter, (str, os.PathLike)):
         drafter = drafter_source(drafter)
-        key = (record.name, _source_key(drafter), id(target), str(target.dtype), str(target.device))
+        key = (record.name, _source_key(drafter), id(target), str(target.dtype), str(drafter_device(target)))
         module = DRAFTER_CACHE.get_or_load(key, target, functools.partial(spec.load, drafter, target))
     else:
         raise TypeError(f"drafter must be {spec.doc} or a path / Hub repo id, got {type(drafter).__name__}.")

@@ -25,15 +25,17 @@ import contextlib
 import logging
 import os
 import threading
-import time
 import weakref
 
 import torch
 
 from . import cache as cache_ops
 from ._transformers import supports_logits_to_keep
+from .attention import mask_rows, verifiable_attention
 from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
 from .dtypes import HALF
+from .placement import drafter_device
+from .timing import StepTimer
 from .tree import build_attention_mask
 
 logger = logging.getLogger("hf_specdec")
@@ -69,10 +71,13 @@ class TargetSession:
 
     # ---- backend hooks (the plain runner: the model's own code path)
     def __enter__(self) -> "TargetSession":
+        # an attention that sees padding only verifies through sdpa for the call; one that cannot is refused here
+        self._attention = verifiable_attention(self.model, *self.drafters)
+        self._attention.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        pass
+        self._attention.__exit__(*exc)
 
     def drafting(self) -> contextlib.AbstractContextManager:
         """Around every proposal: work inside is drafting cost."""
@@ -143,8 +148,7 @@ class TargetSession:
             raise ValueError(f"A resumed verification has no hidden states before layer {exit_layer}; asked for "
                              f"{sorted(wanted)}.")
 
-        def rows(m, start):  # the mask rows of nodes start..N-1
-            return {k: v[:, :, start:] for k, v in m.items()} if isinstance(m, dict) else m[:, :, start:]
+        rows = mask_rows  # the mask rows of nodes start..N-1
 
         with self.forward_context(tree.num_nodes):
             hidden = stack.embed(tree.tokens[:, done:])
@@ -152,7 +156,7 @@ class TargetSession:
                 rest = positions[:, done:]
                 hidden = stack.run(hidden, 0, exit_layer, rows(mask, done), stack.rotary(hidden, rest), rest,
                                    self.cache)
-            hidden = torch.cat([tree.resume.hidden.to(hidden.dtype), hidden], dim=1)
+            hidden = torch.cat([tree.resume.hidden.to(hidden.device, hidden.dtype), hidden], dim=1)
             captured = {exit_layer: hidden}
             rope = stack.rotary(hidden, positions)
             for start, stop in _pieces(exit_layer, stack.num_layers, wanted):
@@ -160,7 +164,8 @@ class TargetSession:
                 captured[stop] = hidden
             normed = stack.norm(hidden)
             captured[stack.num_layers] = normed  # hidden_states[-1] is the final norm's output, as transformers ties it
-            logits = stack.logits(normed, normed=True)
+            # on the tokens' device, as the model's own forward returns them (Accelerate: the LM head's may differ)
+            logits = stack.logits(normed, normed=True).to(tree.tokens.device)
         hidden_states = None
         if self.wants_hidden:
             hidden_states = tuple(captured.get(i) if i in wanted else None for i in range(stack.num_layers + 1))
@@ -177,6 +182,7 @@ class TargetSession:
             return
         past = state.layout.length
         roots = state.roots()
+        timer = StepTimer(state.device)
 
         def timed(q: int) -> float:
             tokens = roots[:, None].expand(-1, q)
@@ -184,11 +190,10 @@ class TargetSession:
             causal = torch.ones(q, q, dtype=torch.bool, device=state.device).tril().expand(state.batch_size, q, q)
             mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, pos, causal,
                                         self.dtype, kv_width=self.kv_width)
-            t0 = time.perf_counter()
+            timer.start()
             self.forward(tokens, mask, pos, with_hidden=False)
-            if state.device.type == "cuda":
-                torch.cuda.synchronize(state.device)
-            seconds = time.perf_counter() - t0
+            timer.stop(q)
+            (_, seconds), = timer.flush()  # outside the hot path: waits for the device (CUDA events: its own time)
             cache_ops.crop(self.cache, past)
             return seconds
 
@@ -250,6 +255,12 @@ class TargetRunner:
         """The target for one ``generate`` call (a context manager)."""
         return self.session_class(self, cache, hidden_states, drafters, rounding)
 
+    def cache_for_call(self, cache):
+        """The cache a call hands the loop, which makes a fresh one of its kind
+        (:func:`hf_specdec.cache.new_cache_like`): ``cache`` as given; a runner with static shapes gives a static
+        one (:class:`~hf_specdec.compiled.CompiledRunner`)."""
+        return cache
+
     def rounding_for(self, rounding: str | None) -> str | None:
         """The rounding a call runs with: ``"auto"`` in half precision where the probe says one row's verification
         does not get the bits of its one-token steps here runs as ``"fast"`` (the packed attention: nothing
@@ -288,10 +299,9 @@ def _pieces(start: int, stop: int, cuts) -> list[tuple[int, int]]:
 
 
 def device_type_of(model) -> str:
-    try:
-        return next(model.parameters()).device.type
-    except StopIteration:
-        return "cpu"
+    """Where ``model`` computes its logits (``meta`` never: an Accelerate-offloaded model computes on its hooks'
+    execution device)."""
+    return drafter_device(model).type
 
 
 _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {runner name: runner}
@@ -316,16 +326,21 @@ def call_lock(obj) -> threading.RLock:
     return lock
 
 
-def runner_for(model, kernels: bool | None = None) -> TargetRunner:
+def runner_for(model, kernels: bool | None = None, compile: bool = False) -> TargetRunner:
     """The runner for ``model``: :class:`~hf_specdec.kernels.CpuKernelRunner` for a model on the CPU, else
     :class:`TargetRunner`; ``kernels=False`` (or ``HF_SPECDEC_VERIFY_KERNELS=0`` when ``kernels`` is ``None``, read
-    here, at the entry point) takes the plain runner everywhere. One runner per model and kind is kept, so later
-    calls reuse what earlier ones measured."""
+    here, at the entry point) takes the plain runner everywhere; ``compile=True`` (the ``compile`` option) takes
+    :class:`~hf_specdec.compiled.CompiledRunner` on any device. One runner per model and kind is kept, so later
+    calls reuse what earlier ones measured (and compiled)."""
+    from .compiled import CompiledRunner
     from .kernels import CpuKernelRunner
 
     if kernels is None:
         kernels = os.environ.get(KERNELS_ENV, "1") != "0"
-    cls = CpuKernelRunner if kernels and CpuKernelRunner.applies_to(model) else TargetRunner
+    if compile:
+        cls = CompiledRunner
+    else:
+        cls = CpuKernelRunner if kernels and CpuKernelRunner.applies_to(model) else TargetRunner
     with _LOCK:  # WeakKeyDictionary.setdefault and the check-then-fill below are not atomic: one runner per model
         try:
             per_model = _RUNNERS.setdefault(model, {})

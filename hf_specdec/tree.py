@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import to_mask, tree_mask_format
 from .syncs import to_device
 
 
@@ -216,7 +217,8 @@ def build_attention_mask(
 
     Returns a ``[B, 1, n, kv_width]`` float tensor (0 = attend, finfo.min = masked), or a dict of them keyed by
     layer type for models that mix full and sliding-window layers. Sliding windows are applied by position ids,
-    which is what plain ``generate()`` does for left-padded batches.
+    which is what plain ``generate()`` does for left-padded batches. A ``flex_attention`` config gets the same masks
+    as ``BlockMask`` objects (:mod:`hf_specdec.attention`).
     """
     bsz, past = past_valid.shape[0], past_valid.shape[-1]
     n = new_positions.shape[1]
@@ -227,12 +229,10 @@ def build_attention_mask(
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
     wants_sliding = window is not None and "sliding_attention" in layer_types
-    minval = torch.finfo(dtype).min
+    fmt = tree_mask_format(config)  # flex_attention: BlockMasks; an attention that sees padding only: raises
 
     def to_additive(ok: torch.BoolTensor) -> torch.Tensor:
-        mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device)
-        mask.masked_fill_(~ok, minval)
-        return mask[:, None]
+        return to_mask(ok, fmt, dtype)
 
     full = to_additive(allowed)
     if not wants_sliding:

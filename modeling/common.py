@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hf_specdec._transformers import from_pretrained_options
+from hf_specdec.placement import execution_device, materialized
 
 
 def target_fit_problems(config, target_config, what: str, ids_for: Callable[[int], list[int]],
@@ -76,13 +77,15 @@ class TargetHeadMixin(DraftVocabularyMixin):
         if not isinstance(head, nn.Linear):
             raise ValueError(f"{type(self).__name__} reads out with the target's linear LM head; got "
                              f"{type(head).__name__}.")
-        rows = self.token_map.to(head.weight.device)
-        sub = nn.Linear(head.in_features, rows.numel(), bias=head.bias is not None, device=head.weight.device,
-                        dtype=head.weight.dtype)
+        # the rows on the head's execution device (an LM head offloaded by Accelerate: its stored weights, read once)
+        weight, bias = materialized(head, "weight"), materialized(head, "bias")
+        rows = self.token_map.to(weight.device)
+        sub = nn.Linear(head.in_features, rows.numel(), bias=bias is not None, device=execution_device(head),
+                        dtype=weight.dtype)
         with torch.no_grad():
-            sub.weight.copy_(head.weight[rows])
-            if head.bias is not None:
-                sub.bias.copy_(head.bias[rows])
+            sub.weight.copy_(weight[rows])
+            if bias is not None:
+                sub.bias.copy_(bias[rows])
         self.__dict__["head"] = sub.requires_grad_(False)  # out of the module tree: never saved or trained
         self.__dict__["embed"] = target.get_input_embeddings()
         self.__dict__["_bound"] = weakref.ref(target)
@@ -101,7 +104,7 @@ class TargetHeadMixin(DraftVocabularyMixin):
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (fp32) of normed states, read out with the target's head rows."""
         self._require_bound()
-        logits = self.head(normed.to(self.head.weight.dtype)).float()
+        logits = self.head(normed.to(self.head.weight.device, self.head.weight.dtype)).float()
         if getattr(self, "softcap", None):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

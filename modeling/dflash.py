@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
+from hf_specdec.placement import execution_device, materialized
 
 from .common import LoadsWithoutKernelsMixin, target_fit_problems
 
@@ -211,9 +212,11 @@ class DFlashDrafter(LoadsWithoutKernelsMixin, PreTrainedModel):
             module.weight.data.fill_(1.0)
 
     def bind_target(self, target) -> "DFlashDrafter":
-        """Check the drafter fits ``target`` and use its embeddings and LM head (kept as plain references)."""
+        """Check the drafter fits ``target`` and use its embeddings and LM head (kept as plain references; an
+        embedding table offloaded by Accelerate is read once, the LM head runs through its hooks)."""
         self.config.check_target(target.config)
         object.__setattr__(self, "_target_embed", target.get_input_embeddings())
+        object.__setattr__(self, "_target_embed_weight", materialized(self._target_embed))
         object.__setattr__(self, "_target_head", target.get_output_embeddings())
         return self
 
@@ -229,7 +232,8 @@ class DFlashDrafter(LoadsWithoutKernelsMixin, PreTrainedModel):
         if self._target_embed is None:
             raise RuntimeError("Call bind_target(target) first: DFlash uses the target's embeddings and LM head.")
         # the raw embedding table (a model's own embedding scaling, e.g. Gemma's, is not part of DFlash's input)
-        return F.embedding(ids, self._target_embed.weight).to(self.fc.weight.dtype)
+        table = self._target_embed_weight
+        return F.embedding(ids.to(table.device), table).to(self.fc.weight.device, self.fc.weight.dtype)
 
     def forward(self, noise_embeds: torch.Tensor, context: torch.Tensor | None, block_positions: torch.LongTensor,
                 context_positions: torch.LongTensor | None = None, attention_mask=None, cache=None) -> torch.Tensor:
@@ -249,7 +253,8 @@ class DFlashDrafter(LoadsWithoutKernelsMixin, PreTrainedModel):
         return self.norm(h)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._target_head(hidden.to(self._target_head.weight.dtype))
+        head = self._target_head
+        return head(hidden.to(execution_device(head), head.weight.dtype))
 
 
 AutoConfig.register(DFlashConfig.model_type, DFlashConfig)

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
+from hf_specdec.placement import materialized
 
 from .common import LoadsWithoutKernelsMixin, target_fit_problems
 
@@ -254,14 +255,16 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
 
     # ---- target binding
     def bind_target(self, target) -> "Eagle3Drafter":
-        """Check the drafter fits ``target`` and share its token embeddings (frozen)."""
+        """Check the drafter fits ``target`` and share its token embeddings (frozen; a copy on the drafter's device
+        when they are elsewhere, or offloaded by Accelerate)."""
         self.config.check_target(target.config)
-        emb = target.get_input_embeddings().weight
+        emb = materialized(target.get_input_embeddings())
         if emb.shape != self.embed_tokens.weight.shape:
             raise ValueError(f"Target embeddings {tuple(emb.shape)} do not match the drafter's "
                              f"{tuple(self.embed_tokens.weight.shape)}.")
-        self.embed_tokens.weight = emb if emb.device == self.fc.weight.device else nn.Parameter(
-            emb.detach().to(self.fc.weight.device), requires_grad=False)
+        shared = isinstance(emb, nn.Parameter) and emb.device == self.fc.weight.device
+        self.embed_tokens.weight = emb if shared else nn.Parameter(emb.detach().to(self.fc.weight.device),
+                                                                    requires_grad=False)
         return self
 
     def feature_layer_ids(self, target_config) -> list[int]:

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
+from hf_specdec.placement import execution_device
 
 from .common import LoadsWithoutKernelsMixin, TargetHeadMixin, target_fit_problems
 
@@ -204,7 +205,7 @@ class ExitAdapter(LoadsWithoutKernelsMixin, TargetHeadMixin, PreTrainedModel):
                 # for a constant input c, which has RMS c (c large: the epsilon drops out)
                 param = next(norm.parameters(), None)
                 probe = torch.full((1, self.config.hidden_size), 1e3, dtype=param.dtype if param is not None else
-                                   torch.float32, device=param.device if param is not None else None)
+                                   torch.float32, device=execution_device(norm))  # not the weight's: meta if offloaded
                 scale = norm(probe).float()
                 self.norm.weight.copy_(scale[0].to(self.norm.weight))
         return self.bind_target(target)
@@ -215,7 +216,10 @@ class ExitAdapter(LoadsWithoutKernelsMixin, TargetHeadMixin, PreTrainedModel):
         if hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"The exit adapter reads {self.config.hidden_size}-wide hidden states, got "
                              f"{hidden_states.shape[-1]}.")
-        x = hidden_states.to(self.norm.weight.dtype)
+        device = self.norm.weight.device  # the exit layer's output may come from another device of the target
+        x = hidden_states.to(device, self.norm.weight.dtype)
+        position_ids = position_ids.to(device)
+        attention_mask = attention_mask.to(device) if isinstance(attention_mask, torch.Tensor) else attention_mask
         for layer in self.layers:
             x = layer(x, position_ids, attention_mask, cache)
         return self.norm(x)

@@ -30,6 +30,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from hf_specdec._transformers import ACT2FN
+from hf_specdec.placement import materialized
 
 from .common import DraftVocabularyMixin, LoadsWithoutKernelsMixin, target_fit_problems
 
@@ -163,7 +164,7 @@ class MedusaHeads(LoadsWithoutKernelsMixin, DraftVocabularyMixin, PreTrainedMode
         """Start training from the target: every read-out is a copy of the target's LM head rows (``draft_ids``, or
         the whole vocabulary) and every block is zero, as the reference does; sets ``token_map``."""
         self.config.check_target(target.config)
-        weight = target.get_output_embeddings().weight.detach()
+        weight = materialized(target.get_output_embeddings()).detach()  # its data, even offloaded
         if draft_ids is None:
             if self.config.draft_vocab_size != self.config.vocab_size:
                 raise ValueError("A draft vocabulary needs the target ids it keeps (draft_ids).")

@@ -53,6 +53,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from hf_specdec._transformers import no_split_modules, set_attention_implementation, set_experts_implementation
+from hf_specdec.placement import execution_device, materialized_state_dict
 
 from .common import LoadsWithoutKernelsMixin, TargetHeadMixin, target_fit_problems
 
@@ -337,7 +338,7 @@ class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
         self.config.check_target(target.config)
         if draft_ids is not None:
             self.set_draft_vocabulary(draft_ids)
-        last = target.get_decoder().layers[-1].state_dict()
+        last = materialized_state_dict(target.get_decoder().layers[-1])  # its data, even offloaded
         with torch.no_grad():
             for k in range(self.num_modules):
                 _, _, proj, block, _ = self.parts(k)
@@ -364,7 +365,7 @@ class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
         emb_norm, hid_norm, proj, block, out_norm = self.parts(step)
         dtype = proj.weight.dtype
         with torch.no_grad():  # the target's embedding: shared, never trained here
-            emb = self.embed(input_ids.to(self.embed.weight.device)).to(device=proj.weight.device, dtype=dtype)
+            emb = self.embed(input_ids.to(execution_device(self.embed))).to(device=proj.weight.device, dtype=dtype)
         emb = emb_norm(emb)
         hid = hid_norm(hidden_states.to(device=proj.weight.device, dtype=dtype))
         x = proj(torch.cat([hid, emb] if self.config.layout == "mimo" else [emb, hid], dim=-1))
@@ -439,8 +440,8 @@ class ParallelMTPHeads(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
         decoder = target.get_decoder()
         with torch.no_grad():
             for layer in self.layers:
-                layer.load_state_dict(decoder.layers[-1].state_dict(), strict=False)
-            self.norm.load_state_dict(decoder.norm.state_dict())
+                layer.load_state_dict(materialized_state_dict(decoder.layers[-1]), strict=False)
+            self.norm.load_state_dict(materialized_state_dict(decoder.norm))
         return self.bind_target(target)
 
     def forward(self, hidden_states: torch.Tensor, position_ids: torch.LongTensor, attention_mask=None, cache=None,

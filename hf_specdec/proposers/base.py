@@ -56,7 +56,9 @@ class BackOff:
     def observe(self, tree, result) -> None:
         """Record what a verification of this drafter's proposal committed per row, over the rows that committed
         (they shared the forward, drafts or not)."""
-        if not bool((tree.valid.sum(1) > 1).any()):
+        proposed = getattr(result, "proposed", None)  # drafts per row (host data; a tree's shape when not given)
+        drafted = any(proposed) if proposed is not None else tree.valid.shape[1] > 1
+        if not drafted:
             return
         committed = [len(t) for t in result.new_tokens if len(t)]
         if committed:

@@ -25,7 +25,9 @@ from ..conversions.eagle3 import LAYOUTS, convert_eagle3, export_eagle3
 from ..costs import batch_cap
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.eagle3 import Eagle3Drafter
+from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
+from ..syncs import to_device
 from ..tree import DraftTree, build_attention_mask
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
@@ -58,9 +60,11 @@ class Eagle3Proposer(FeatureDrafterProposer):
             measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
             When even the best tree cannot pay for the drafting itself (measured time of a proposal, in units of a
             one-token target step), the tree is not drafted for the next 1, 2, 4 .. 16 steps; the
-            drafter catches up on the skipped context at the next proposal. A chain is cut the same way: drafting
-            stops once no row's next draft could add 2 % to its expected acceptance, and each row verifies the
-            drafts that pay for their verification.
+            drafter catches up on the skipped context at the next proposal. A chain is cut the same way, and each
+            row verifies the drafts that pay for their verification. Trees and chains are drafted at most one depth
+            past the deepest where the previous proposal's best draft could still add 2 % to a row's expected
+            acceptance (judged from the probabilities read with that proposal's one host read, so that drafting
+            never waits for the device mid-proposal).
     """
 
     name = "eagle3"
@@ -76,39 +80,46 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self.chain = num_speculative_tokens
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
+        self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`
 
     def begin(self, state) -> None:
         super().begin(state)
         self._worth = None
+        self._confident: int | None = None  # depths the last proposal found worth drafting (None: not judged yet)
 
     # ---- drafter forwards
+    def _on(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the drafter's device (no call when it is there: a step makes many of these)."""
+        return t if t.device == self.device else t.to(self.device)
+
     def _mask(self, state, past_valid, past_pos, new_pos, new_attends):
-        return build_attention_mask(self.drafter.config, past_valid.to(self.device), past_pos.to(self.device),
-                                    new_pos.to(self.device), new_attends.to(self.device), self.dtype)
+        return build_attention_mask(self.drafter.config, self._on(past_valid), self._on(past_pos), self._on(new_pos),
+                                    self._on(new_attends), self.dtype)
 
     def _feed_context(self, state):
         """Feed the drafter rows of the target columns it has not seen; return the root rows' outputs."""
         layout = state.layout
         start, end = self.synced, layout.length
-        bsz = state.batch_size
-        valid = layout.valid[:, start:end]
-        # the token after each column: the row's next real column, or the root after its last one
-        next_tok = torch.empty_like(layout.tokens[:, start:end])
-        roots = state.roots()
-        for b in range(bsz):
-            following = int(roots[b])
-            row_valid = valid[b].tolist()
-            row_tok = layout.tokens[b, start:end].tolist()
-            for j in range(end - start - 1, -1, -1):
-                next_tok[b, j] = following
-                if row_valid[j]:
-                    following = row_tok[j]
+        n = end - start
+        roots = state.roots()[:, None]
+        tokens = layout.tokens[:, start:end]  # [B, n]
+        # the token after each column: the row's next real column's, or the root after its last one
+        holes = layout.counts is None or any(c != end for c in layout.counts)  # host data: no hole in any row
+        if holes:
+            valid = layout.valid[:, start:end]
+            real = torch.where(valid, torch.arange(n, device=valid.device), n)  # [B, n] the column if real, else n
+            after = torch.cat([real, real.new_full((real.shape[0], 1), n)], dim=1)[:, 1:]  # the next column's entry
+            following = after.flip(1).cummin(1).values.flip(1)  # [B, n] the next real column (n: the root)
+            next_tok = torch.cat([tokens, roots], dim=1).gather(1, following)
+        else:
+            next_tok = torch.cat([tokens[:, 1:], roots], dim=1)
         mask = self._context_mask(state, start, end)
-        logits, hidden = self._draft_forward(next_tok.to(self.device), self.features[:, start:end],
-                                             layout.positions[:, start:end].to(self.device), mask, step=0)
+        logits, hidden = self._draft_forward(self._on(next_tok), self.features[:, start:end],
+                                             self._on(layout.positions[:, start:end]), mask, step=0)
         self.synced = end
-        # the root row of a row is its last real column
-        idx = (layout.last_real() - start).clamp(min=0).to(self.device)
+        if not holes:  # the root row of a row is its last real column: here the last column
+            return logits[:, -1], hidden[:, -1]
+        idx = self._on((layout.last_real() - start).clamp(min=0))
         root_logits = logits.gather(1, idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         root_hidden = hidden.gather(1, idx[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
         return root_logits, root_hidden
@@ -144,24 +155,47 @@ class Eagle3Proposer(FeatureDrafterProposer):
         draft depth ``d + 1``); returns ``(logits, hidden)``. A drafter with one module per depth (MTP) picks it."""
         return self.drafter(tokens, hidden, positions, mask, self.cache)
 
-    def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos, step: int = 1):
+    def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos, step: int = 1, context=None, own=None):
         """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.
 
         ``rows_visible`` is ``[B, k, R]``: which of the ``R`` earlier tree rows each new row may see (its ancestors);
-        each new row also sees the context and itself.
+        each new row also sees the context and itself. ``context`` (``[B, k, T]``, the context columns each new row
+        sees) and ``own`` (``[B, k, k]``, itself) may be given by a caller that feeds many steps.
         """
         layout = state.layout
         bsz, k = tokens.shape
-        context = layout.valid[:, None, :].expand(bsz, k, layout.length).to(self.device)
-        past_valid = torch.cat([context, rows_visible.to(self.device)], dim=2)
+        if context is None:
+            context = self._on(layout.valid[:, None, :].expand(bsz, k, layout.length))
+        if own is None:
+            own = torch.eye(k, dtype=torch.bool, device=self.device).expand(bsz, k, k)
+        past_valid = torch.cat([context, self._on(rows_visible)], dim=2)
         past_pos = torch.cat([layout.positions, rows_pos], dim=1)
-        own = torch.eye(k, dtype=torch.bool, device=self.device).expand(bsz, k, k)
         mask = self._mask(state, past_valid, past_pos, positions, own)
-        return self._draft_forward(tokens.to(self.device), hidden, positions.to(self.device), mask, step)
+        return self._draft_forward(self._on(tokens), hidden, self._on(positions), mask, step)
+
+    def _depth_limit(self, state, most: int) -> int:
+        """The drafts (chain) or depths (tree) to draft this step: at most ``most`` and each row's budget; adaptive, at
+        most one past those the last proposal found worth drafting (its drafts' probabilities, read with its one host
+        read: drafting stops where no row's next draft could add 2 % to its expected acceptance, without reading
+        anything mid-proposal)."""
+        limit = min(most, max(state.max_drafts))
+        if self.adaptive and self._confident is not None:
+            limit = min(limit, self._confident + 1)
+        return limit
+
+    def _judge_depths(self, state, best: list[list[float]]) -> None:
+        """Record how many leading depths were worth drafting (``best[b][d]``: row ``b``'s most likely node at depth
+        ``d + 1``, host floats): those where some drafting row's could add 2 % to its expected acceptance."""
+        rows = [r for b, r in enumerate(best) if state.max_drafts[b]] or best
+        self._confident = 0
+        for d in range(len(rows[0]) if rows else 0):
+            if max(r[d] for r in rows) * self.calibration < 0.02:
+                break
+            self._confident = d + 1
 
     def _chain(self, state, logits, hidden):
         bsz = state.batch_size
-        k = min(self.chain, max(state.max_drafts))
+        k = self._depth_limit(state, self.chain)
         if k <= 0:
             return None
         drafts, probs, reaches = [], [], []
@@ -183,8 +217,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 reaches.append(reach)
             if i == k - 1:
                 break
-            if self.adaptive and float(reach.max()) * self.calibration < 0.02:
-                break  # no row's next draft could add 2 % to its expected acceptance: save the drafter forward
             pos = (state.root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
             logits, hidden = self._step(state, token[:, None], hidden[:, None], pos, rows_valid[:, None, :], rows_pos,
                                         step=i + 1)
@@ -193,123 +225,192 @@ class Eagle3Proposer(FeatureDrafterProposer):
             rows_pos = torch.cat([rows_pos, pos], 1)
         counts = [min(m, len(drafts)) for m in state.max_drafts]
         if self.adaptive:  # verify only the drafts that pay for their verification (the measured costs)
-            counts = self._cut_chains(state, torch.stack(reaches, dim=1), counts)
+            reach_rows = torch.stack(reaches, dim=1).tolist()  # [B][k]: the proposal's one host read
+            self._judge_depths(state, reach_rows)
+            counts = self._cut_chains(state, reach_rows, counts)
             if not any(counts):
                 return None
         draft_probs = torch.stack(probs, dim=1) if probs else None
-        return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1),
-                               torch.tensor(counts, device=state.device), draft_probs)
+        return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1), counts, draft_probs)
 
     def _tree(self, state, logits, hidden):
-        """EAGLE-2 dynamic tree, expanded for every row of the batch at once."""
+        """EAGLE-2 dynamic tree, expanded for every row of the batch at once, with tensor operations only.
+
+        Candidates are numbered by depth: the ``top_k`` depth-1 nodes, then per further depth ``top_k * top_k``
+        children (``top_k`` per frontier node, in frontier order, each node's children by rank). Every candidate has a
+        score (cumulative log-probability), a draft token, a parent (``1 +`` its candidate index; 0: the root) and a
+        depth-first key: its path of sibling ranks from the root, one base-``top_k + 1`` digit per depth (``rank +
+        1``, 0 past its depth), so that sorting by key lists parents before children and each node's better children
+        first."""
         bsz, dev = state.batch_size, self.device
         top_k = self.top_k
-        max_depth = min(self.depth, max(state.max_drafts))
+        max_depth = self._depth_limit(state, self.depth)
         if max_depth <= 0:
             return None
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        frontier_score, frontier_tok = logp.topk(top_k, dim=-1)  # [B, k]
-        # every candidate node: score, draft token, parent candidate index (-1 = root), depth
-        cand_score = [frontier_score]
-        cand_tok = [frontier_tok]
-        cand_parent = [torch.full((bsz, top_k), -1, dtype=torch.long, device=dev)]
-        cand_depth = [torch.ones(bsz, top_k, dtype=torch.long, device=dev)]
-        frontier_idx = torch.arange(top_k, device=dev).expand(bsz, top_k)  # candidate index of each frontier node
+        depth, digits, keyed = self._candidates(max_depth)
+        score, tok = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [B, k] depth 1: the frontier
+        scores, toks, frontier_idx, best = [score], [tok], [], [score[:, :1]]
+        key = digits[0].expand(bsz, -1) if keyed else None  # the frontier's keys
+        keys = [key]
+        own = torch.eye(top_k, dtype=torch.bool, device=dev).expand(bsz, -1, -1)
+        context = self._on(state.layout.valid[:, None, :].expand(bsz, top_k, -1))  # every tree row sees the context
+        positions = state.root_positions[:, None] + torch.arange(max_depth - 1, device=state.device)  # [B, D-1]
+        rows = torch.arange(bsz, device=dev)[:, None]
         frontier_hidden = hidden[:, None].expand(-1, top_k, -1)
-        frontier_row_anc = torch.zeros(bsz, top_k, 0, dtype=torch.bool, device=dev)  # ancestors among fed rows
-        rows_pos = torch.zeros(bsz, 0, dtype=torch.long, device=state.device)
-        n_cand = top_k
+        frontier_anc = torch.zeros(bsz, top_k, 0, dtype=torch.bool, device=dev)  # ancestors among the fed rows
+        rows_pos = positions[:, :0]
         for d in range(1, max_depth):
-            if self.adaptive and float(frontier_score.max().exp()) * self.calibration < 0.02:
-                break  # no deeper node could add 2 % to the expected acceptance: save the drafter forwards
             # feed the frontier: row (parent output, node token) at the position of the node's parent
-            pos = (state.root_positions + d - 1)[:, None].expand(-1, top_k)
-            tokens = self.drafter.draft_to_target(frontier_tok)
-            step_logits, step_hidden = self._step(state, tokens, frontier_hidden, pos, frontier_row_anc, rows_pos,
-                                                  step=d)
-            # ancestors-or-self of each row just fed, among all rows fed so far
-            row_anc = torch.cat([frontier_row_anc, torch.eye(top_k, dtype=torch.bool, device=dev).expand(bsz, -1, -1)],
-                                dim=2)
-            rows_pos = torch.cat([rows_pos, pos.to(state.device)], 1)
+            pos = positions[:, d - 1:d].expand(-1, top_k)
+            step_logits, step_hidden = self._step(state, self.drafter.draft_to_target(tok), frontier_hidden, pos,
+                                                  frontier_anc, rows_pos, step=d, context=context, own=own)
+            anc = torch.cat([frontier_anc, own], dim=2)  # ancestors-or-self of the rows just fed, among all fed
+            rows_pos = torch.cat([rows_pos, pos], dim=1)
             # children of every frontier node
-            child_logp, child_tok = torch.log_softmax(step_logits.float(), -1).topk(top_k, dim=-1)  # [B, k, k]
-            child_score = frontier_score[:, :, None] + child_logp
-            flat_score = child_score.reshape(bsz, -1)
-            cand_score.append(flat_score)
-            cand_tok.append(child_tok.reshape(bsz, -1))
-            cand_parent.append(frontier_idx[:, :, None].expand(-1, -1, top_k).reshape(bsz, -1))
-            cand_depth.append(torch.full((bsz, top_k * top_k), d + 1, dtype=torch.long, device=dev))
+            if step_logits.dtype != torch.float32:
+                step_logits = step_logits.float()
+            child_score, child_tok = torch.log_softmax(step_logits, -1).topk(top_k, dim=-1)  # [B, k, k]
+            child_score = (score[:, :, None] + child_score).flatten(1)  # [B, k * k]
+            child_tok = child_tok.flatten(1)
+            scores.append(child_score)
+            toks.append(child_tok)
+            if keyed:
+                keys.append(key.repeat_interleave(top_k, dim=1) + digits[d])
+            if d == max_depth - 1:  # the last depth: no frontier to feed
+                if self.adaptive:
+                    best.append(child_score.max(1, keepdim=True).values)
+                break
             # the next frontier: the best k children overall
-            best_score, best = flat_score.topk(top_k, dim=-1)
-            parent_slot = best // top_k
-            frontier_score = best_score
-            frontier_tok = child_tok.reshape(bsz, -1).gather(1, best)
-            frontier_idx = n_cand + best
-            frontier_hidden = step_hidden.gather(1, parent_slot[:, :, None].expand(-1, -1, step_hidden.shape[-1]))
-            frontier_row_anc = row_anc.gather(1, parent_slot[:, :, None].expand(-1, -1, row_anc.shape[-1]))
-            n_cand += top_k * top_k
-        return self._select(state, torch.cat(cand_score, 1), torch.cat(cand_tok, 1), torch.cat(cand_parent, 1),
-                            torch.cat(cand_depth, 1))
+            score, pick = child_score.topk(top_k, dim=-1)
+            frontier_idx.append(pick)
+            parent = pick // top_k
+            tok = child_tok.gather(1, pick)
+            key = keys[-1].gather(1, pick) if keyed else None
+            frontier_hidden = step_hidden[rows, parent]
+            frontier_anc = anc[rows, parent]
+            if self.adaptive:
+                best.append(score[:, :1])
+        # each candidate's parent: depth 1 the root, then the frontier node (1 + its candidate index) of each block
+        parents = [torch.zeros(bsz, top_k, dtype=torch.long, device=dev)]
+        if max_depth > 1:
+            frontier = torch.arange(1, top_k + 1, device=dev).expand(bsz, 1, -1)  # [B, 1, k] depth 1
+            if frontier_idx:  # depths 2 .. D-1: block i's picks, numbered after depth 1 and the blocks before
+                offsets = 1 + top_k + top_k * top_k * torch.arange(max_depth - 2, device=dev)[None, :, None]
+                frontier = torch.cat([frontier, torch.stack(frontier_idx, 1) + offsets], dim=1)  # [B, D-1, k]
+            parents.append(frontier.repeat_interleave(top_k, dim=2).flatten(1))
+        return self._select(state, torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1), depth,
+                            torch.cat(keys, 1) if keyed else None, torch.cat(best, 1) if self.adaptive else None)
 
-    def _select(self, state, score, tok, parent, depth):
-        """Keep the best candidates of each row (at most ``total_tokens - 1``, fewer when more would not pay for
-        their verification), ancestor-closed, in parent-first order."""
-        bsz = state.batch_size
-        budget = torch.tensor(state.max_drafts, device=score.device)
-        score = score.masked_fill(depth > budget[:, None], float("-inf"))
+    def _candidates(self, max_depth: int):
+        """``(depth [C], digits, keyed)`` for a tree of ``max_depth`` (cached): each candidate's depth; per depth
+        ``d + 1`` the key digit of each candidate of its block at its place (``[k]`` at depth 1, ``[k * k]`` deeper:
+        ``(rank + 1) * (top_k + 1) ** (max_depth - 1 - d)``); and whether keys fit in 62 bits (else the best-first
+        order is kept, parents first too)."""
+        cache = self._candidate_facts
+        key = (str(self.device), max_depth)
+        if key not in cache:
+            top_k, dev, base = self.top_k, self.device, self.top_k + 1
+            depth = torch.cat([torch.ones(top_k, dtype=torch.long, device=dev),
+                               2 + torch.arange((max_depth - 1) * top_k * top_k, device=dev) // (top_k * top_k)])
+            keyed = base ** max_depth < 2 ** 62
+            rank = torch.arange(top_k * top_k, device=dev) % top_k + 1
+            digits = [rank[:top_k] * base ** (max_depth - 1 - d) if d == 0 else rank * base ** (max_depth - 1 - d)
+                      for d in range(max_depth)] if keyed else None
+            cache[key] = (depth, digits, keyed)
+        return cache[key]
+
+    def _select(self, state, score, tok, parent, depth, key, best):
+        """The tree of each row's best candidates (at most ``total_tokens - 1``, fewer when more would not pay for
+        their verification), built on the device in depth-first order (``key``; ``None``: best first).
+
+        ``score, tok, parent [B, C]``, ``depth [C]``, ``key [B, C]`` as :meth:`_tree` describes them; ``best [B, D]``
+        (adaptive only) each depth's most likely node (log). A child never scores above its parent (log-probabilities
+        are <= 0) and a stable sort keeps equal scores in candidate order, where parents come first, so every
+        best-first prefix is closed under ancestors. Adaptive, the proposal's one host read takes the best scores
+        (and ``best``); the rest is decided on the host."""
+        bsz, dev, top_k = state.batch_size, score.device, self.top_k
+        depths = self._depth_of(score.shape[1])
+        if any(0 < m < depths for m in state.max_drafts):  # some row may not draft as deep: its deeper ones last
+            score = score.masked_fill(depth > to_device(state.max_drafts, dev)[:, None], float("-inf"))
         keep_n = min(self.total_tokens - 1, score.shape[1])
-        rows_tokens, rows_parents = [], []
-        self._predicted = []
-        picked = []
-        for b in range(bsz):
-            top = score[b].topk(keep_n)
-            finite = torch.isfinite(top.values)
-            order, probs = top.indices[finite], top.values[finite].exp()
-            n = self._pays(state, probs)
-            picked.append((order[:n], probs[:n]))
-        cap = keep_n
-        if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
-            cap = batch_cap([(p * self.calibration).tolist() for _, p in picked], state.cost_model, state.active)
-        for b, (order, probs) in enumerate(picked):
-            order, probs = order[:cap], probs[:cap]
-            n = len(order)
-            self._predicted.append(float(probs.sum()))
-            self._note_worth(state, float(probs.sum()), n)
-            chosen = set(order.tolist())
-            par = parent[b].tolist()
-            for c in list(chosen):  # ties can leave a parent out: add ancestors back
-                p = par[c]
-                while p >= 0 and p not in chosen:
-                    chosen.add(p)
-                    p = par[p]
-            nodes = _depth_first(sorted(chosen), par)
-            slot = {c: i + 1 for i, c in enumerate(nodes)}
-            rows_tokens.append(self.drafter.draft_to_target(tok[b, nodes]).tolist() if nodes else [])
-            rows_parents.append([slot.get(par[c], 0) for c in nodes])
-        return DraftTree.from_rows(state.roots(), rows_tokens, rows_parents)
+        ranked_score, ranked = score.sort(dim=1, descending=True, stable=True)
+        # candidates within each row's depth budget (host arithmetic: top_k at depth 1, top_k ** 2 at each deeper)
+        counts = [min(keep_n, top_k + top_k * top_k * (min(m, depths) - 1)) if m else 0 for m in state.max_drafts]
+        if self.adaptive:
+            host = torch.cat([ranked_score[:, :keep_n].exp().flatten(), best.exp().flatten()]).tolist()  # one read
+            reach = [host[b * keep_n:b * keep_n + counts[b]] for b in range(bsz)]
+            self._judge_depths(state, [host[bsz * keep_n + b * depths:bsz * keep_n + (b + 1) * depths]
+                                       for b in range(bsz)])
+            counts = [min(c, self._pays(state, r)) for c, r in zip(counts, reach)]
+            if bsz > 1 and state.cost_model is not None:  # the rows share one forward
+                cap = batch_cap([[p * self.calibration for p in r[:c]] for r, c in zip(reach, counts)],
+                                state.cost_model, state.active)
+                counts = [min(c, cap) for c in counts]
+            self._predicted = [sum(r[:c]) for r, c in zip(reach, counts)]
+            for predicted, c in zip(self._predicted, counts):
+                self._note_worth(state, predicted, c)
+        width = max(counts)
+        if width == 0:
+            self._predicted = None
+            return None
+        nodes = ranked[:, :width]  # [B, W] the candidate of each tree node after the root, best first
+        keep = None if min(counts) == width else \
+            torch.arange(width, device=dev) < to_device(counts, dev)[:, None]  # None: every node kept
+        ancestors = None
+        if key is not None:  # depth-first: kept nodes first, in key order
+            node_key = key.gather(1, nodes)
+            node_key, order = (node_key if keep is None else node_key.masked_fill(~keep, 2 ** 62)).sort(dim=1,
+                                                                                                      stable=True)
+            nodes = nodes.gather(1, order)
+            keep = keep.gather(1, order) if keep is not None else None
+            # node j is node i or an ancestor of i when i's key starts with j's digits: key_j <= key_i < key_j + span_j
+            # (span: the key range of a subtree, (top_k + 1) ** (depth - depth_j)); the root (key 0) spans all
+            full = (top_k + 1) ** self._depth_of(score.shape[1])
+            node_key = torch.cat([node_key.new_zeros(bsz, 1), node_key], 1)  # [B, W + 1] with the root
+            span = torch.cat([node_key.new_full((bsz, 1), full), self._spans(score.shape[1], dev)[nodes]], 1)
+            ancestors = (node_key[:, :, None] >= node_key[:, None, :]) & \
+                (node_key[:, :, None] < (node_key + span)[:, None, :])
+        slot = torch.zeros(bsz, score.shape[1] + 1, dtype=torch.long, device=dev)  # tree slot of 1 + each candidate
+        slot.scatter_(1, nodes + 1, torch.arange(1, width + 1, device=dev).expand(bsz, -1))
+        parents = slot.gather(1, parent.gather(1, nodes))
+        tokens = self.drafter.draft_to_target(tok.gather(1, nodes))
+        depths = depth[nodes]
+        if keep is not None:
+            parents, tokens, depths = parents * keep, tokens * keep, depths * keep
+        root, out = state.roots(), state.device
+        if top_k == 1:  # a chain: the verifier's fast path
+            return DraftTree.chain(root, tokens.to(out), counts)
+        valid = torch.ones(bsz, width + 1, dtype=torch.bool, device=out)
+        if keep is not None:
+            valid[:, 1:] = keep
+        if ancestors is not None:
+            ancestors = ancestors.to(out) & valid[:, None, :]
+            if keep is not None:
+                ancestors[:, :, 0] = True  # a padding node below the root, as the tree's own rule has it
+        return DraftTree(tokens=torch.cat([root[:, None], tokens.to(out)], 1),
+                         parents=torch.cat([root.new_full((bsz, 1), -1), parents.to(out)], 1), valid=valid,
+                         _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
 
+    def _spans(self, candidates: int, device) -> torch.Tensor:
+        """``[C]`` the key range of each candidate's subtree, ``(top_k + 1) ** (depth of the tree - its depth)``
+        (cached with :meth:`_candidates`)."""
+        max_depth = self._depth_of(candidates)
+        depth = self._candidates(max_depth)[0]
+        cache = self._candidate_facts
+        key = (str(device), max_depth, "span")
+        if key not in cache:
+            cache[key] = (self.top_k + 1) ** (max_depth - depth)
+        return cache[key]
 
-def _depth_first(nodes: list[int], parent: list[int]) -> list[int]:
-    """``nodes`` (candidate indices, ancestor-closed) in depth-first order, each node's best child first: parents
-    still precede their children, and the most likely path (every node's first child from the root) is a run of
-    consecutive tree nodes, whose keys are a prefix of the cache -- the cheap case of the half-precision exact
-    attention (:class:`hf_specdec.kernels._ExactRows`). Candidate indices grow with depth and, among siblings, with
-    their rank."""
-    children: dict[int, list[int]] = {}
-    for c in nodes:  # ascending: each node's children in rank order
-        children.setdefault(parent[c], []).append(c)
-    order, stack = [], list(reversed(children.get(-1, [])))
-    while stack:
-        c = stack.pop()
-        order.append(c)
-        stack.extend(reversed(children.get(c, [])))
-    return order
+    def _depth_of(self, candidates: int) -> int:
+        """The depth of a tree of ``candidates`` candidates (host arithmetic)."""
+        return 1 + (candidates - self.top_k) // (self.top_k * self.top_k)
 
 
 def _build(target, opts) -> Eagle3Proposer:
     chain = opts["num_speculative_tokens"]
     given = {k: opts[f"tree_{k}"] for k in ("top_k", "depth", "total_tokens") if opts[f"tree_{k}"] is not None}
-    tree = {} if chain else {**default_tree(target.device, target.dtype), **given}
+    tree = {} if chain else {**default_tree(drafter_device(target), target.dtype), **given}
     return Eagle3Proposer(opts["drafter"], num_speculative_tokens=chain,
                           adaptive=opts["draft_length_schedule"] != "constant", **tree)
 

@@ -19,6 +19,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from ..costs import batch_cap, best_count
+from ..syncs import to_device
 from ..tree import build_attention_mask
 from .base import BackOff, Proposer
 
@@ -68,7 +69,10 @@ class FeatureDrafterProposer(Proposer):
         self._update_calibration(result)
         self.backoff.observe(tree, result)
         width = max(len(p) for p in result.paths)
-        nodes = torch.tensor([p + [0] * (width - len(p)) for p in result.paths], device=self.device)  # [B, W]
+        if result.path_index is not None:  # the rule ran on the device: the paths are there already
+            nodes = result.path_index[:, :width].to(self.device)  # [B, W]
+        else:
+            nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], self.device)  # [B, W]
         fused = self._fuse(state.hidden_states)  # [B, N, F] for every tree node
         picked = fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))
         self.features = torch.cat([self.features, picked], dim=1)
@@ -87,42 +91,49 @@ class FeatureDrafterProposer(Proposer):
         return fc.weight if isinstance(fc, torch.nn.Linear) else next(self.drafter.parameters())
 
     def _fuse(self, hidden_states) -> torch.Tensor:
-        """``[B, T, F]``: the requested target hidden states, concatenated, in the drafter's device and dtype."""
+        """``[B, T, F]``: the requested target hidden states, concatenated, in the drafter's device and dtype (a
+        target spread over devices by Accelerate returns each layer's on its own device: each is moved once)."""
         if hidden_states is None:
             raise RuntimeError(f"{self.name} needs the target's hidden states; the loop did not return them.")
-        return torch.cat([hidden_states[i] for i in self.target_hidden_states], dim=-1).to(self.device, self.dtype)
+        return torch.cat([hidden_states[i].to(self.device, self.dtype) for i in self.target_hidden_states], dim=-1)
 
     def _context_mask(self, state, start: int, end: int):
         """The mask of the drafter's rows for the target columns ``start..end`` after its rows of ``0..start``:
         causal over the real columns, a hole seeing only itself."""
         layout = state.layout
-        valid = layout.valid[:, start:end].to(self.device)
         n = end - start
-        attends = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None] & valid[:, None, :]
-        attends |= torch.eye(n, dtype=torch.bool, device=self.device)[None]  # holes still see themselves
+        attends = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None]
+        if layout.counts is None or any(c != layout.length for c in layout.counts):  # some row has holes
+            attends = attends & layout.valid[:, None, start:end].to(self.device)
+            attends |= torch.eye(n, dtype=torch.bool, device=self.device)[None]  # holes still see themselves
+        else:
+            attends = attends.expand(layout.valid.shape[0], n, n)
         return build_attention_mask(self.drafter.config, layout.valid[:, :start].to(self.device),
                                     layout.positions[:, :start].to(self.device),
                                     layout.positions[:, start:end].to(self.device), attends, self.dtype)
 
-    def _pays(self, state, reach: torch.Tensor) -> int:
-        """How many of the best drafts to verify (``reach``: their uncalibrated probabilities of lying on the accepted
-        path, best first): the count maximising expected committed tokens per unit of verification cost (0: none
-        beats a plain step); all of them when not adaptive."""
+    def _pays(self, state, reach: list[float]) -> int:
+        """How many of the best drafts to verify (``reach``: host floats, their uncalibrated probabilities of lying on
+        the accepted path, best first): the count maximising expected committed tokens per unit of verification cost
+        (0: none beats a plain step); all of them when not adaptive."""
         if not self.adaptive or state.cost_model is None:
-            return reach.shape[0]
-        return best_count(1.0 + torch.cumsum(reach * self.calibration, 0), state.cost_model)
+            return len(reach)
+        expected, total = [], 1.0
+        for r in reach:
+            total += r * self.calibration
+            expected.append(total)
+        return best_count(expected, state.cost_model)
 
-    def _cut_chains(self, state, reach: torch.Tensor, counts: list[int]) -> list[int]:
-        """Each row's chain cut to the drafts that pay (``reach [B, k]``: each draft's probability that it and the
-        drafts before it are accepted; ``counts``: the drafts each row may have); the predictions are recorded for
-        the calibration and the back-off."""
-        reach = reach.cpu()
-        counts = [min(c, self._pays(state, reach[b, :c])) if c else 0 for b, c in enumerate(counts)]
+    def _cut_chains(self, state, reach: list[list[float]], counts: list[int]) -> list[int]:
+        """Each row's chain cut to the drafts that pay (``reach[b][i]``, host floats read in the proposal's one read:
+        the probability that draft ``i`` and the drafts before it are accepted; ``counts``: the drafts each row may
+        have); the predictions are recorded for the calibration and the back-off."""
+        counts = [min(c, self._pays(state, reach[b][:c])) if c else 0 for b, c in enumerate(counts)]
         if self.adaptive and state.batch_size > 1 and state.cost_model is not None:  # the batch shares the forward
-            cap = batch_cap([(reach[b, :c] * self.calibration).tolist() for b, c in enumerate(counts)],
+            cap = batch_cap([[r * self.calibration for r in reach[b][:c]] for b, c in enumerate(counts)],
                             state.cost_model, state.active)
             counts = [min(c, cap) for c in counts]
-        self._predicted = [float(reach[b, :c].sum()) for b, c in enumerate(counts)]
+        self._predicted = [sum(reach[b][:c]) for b, c in enumerate(counts)]
         for b, c in enumerate(counts):
             if c:
                 self._note_worth(state, self._predicted[b], c)

@@ -29,6 +29,7 @@ from .. import cache as cache_ops
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.layerskip import ExitAdapter
+from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
 from ..tree import DraftTree, Resume, build_attention_mask
@@ -142,19 +143,20 @@ class LayerSkipProposer(Proposer):
         return seconds / step if seconds is not None and step else self.prior_cost
 
     def _exit_logits(self, state, hidden, past_valid, past_pos, positions):
-        """Draft logits ``[B, V]`` (fp32, the target's vocabulary) of the exit hidden state ``hidden [B, 1, H]``."""
+        """Draft logits ``[B, V]`` (fp32, the target's vocabulary, on the loop's device: an LM head placed by
+        Accelerate returns them on its own) of the exit hidden state ``hidden [B, 1, H]``."""
         if self.adapter is None:
-            return self.stack.logits(hidden)[:, -1]
+            return self.stack.logits(hidden)[:, -1].to(state.device)
         mask = build_attention_mask(self.adapter.config, past_valid, past_pos, positions,
                                     torch.ones(state.batch_size, 1, 1, dtype=torch.bool, device=state.device),
                                     self.adapter_dtype)
         normed = self.adapter(hidden, positions, mask, self.adapter_cache)
         sub = self.adapter.logits(normed)[:, -1]
         if self.adapter.config.draft_vocab_size == self.adapter.config.vocab_size:
-            return sub
+            return sub.to(state.device)
         logits = sub.new_full((sub.shape[0], self.adapter.config.vocab_size), float("-inf"))
         logits[:, self.adapter.token_map.to(sub.device)] = sub  # tokens outside the draft vocabulary are never drafted
-        return logits
+        return logits.to(state.device)
 
     def propose(self, state):
         bsz = state.batch_size
@@ -251,9 +253,9 @@ class LayerSkipProposer(Proposer):
 
 
 def load_adapter(source, target) -> ExitAdapter:
-    """An exit adapter folder (``save_pretrained``) for ``target``, on its device and dtype, bound to it."""
+    """An exit adapter folder (``save_pretrained``) for ``target``, on its drafter device and dtype, bound to it."""
     adapter = ExitAdapter.from_pretrained(source, dtype=target.dtype)
-    return adapter.to(target.device).eval().bind_target(target)  # bind_target checks the fit
+    return adapter.to(drafter_device(target)).eval().bind_target(target)  # bind_target checks the fit
 
 
 def _build(target, opts) -> LayerSkipProposer:

@@ -32,7 +32,9 @@ from ..conversions.medusa import LAYOUTS, convert_medusa, export_medusa
 from ..costs import batch_cap
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
+from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
+from ..syncs import to_device
 from ..tree import DraftTree
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
@@ -113,9 +115,10 @@ class MedusaProposer(FeatureDrafterProposer):
         self.top_k = 1 + max(max(p) for p in self.choices)
         self.depth = max(len(p) for p in self.choices)
         index = {p: i for i, p in enumerate(self.choices)}
-        self._depth = torch.tensor([len(p) for p in self.choices])  # [P]
-        self._rank = torch.tensor([p[-1] for p in self.choices])  # [P] top-k rank of the node's token at its head
-        self._parent = torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in self.choices])  # [P]
+        self._parent = [index[p[:-1]] if len(p) > 1 else -1 for p in self.choices]  # [P] pool index (-1: the root)
+        self._indices: dict = {}  # (device, depth, k) -> the pool's index tensors (:meth:`_index`)
+        self._allowed_nodes: dict = {}  # (depth, k, budget) -> the pool nodes a row may draft (:meth:`_allowed`)
+        self._slots: dict = {}  # a row's pool nodes -> their parents' tree slots (:meth:`_tree`)
         self.typical_acceptance = (float(posterior_threshold), float(posterior_alpha)) if acceptance == "typical" \
             else None
 
@@ -134,9 +137,11 @@ class MedusaProposer(FeatureDrafterProposer):
         self._update_calibration(result)
         self.backoff.observe(tree, result)
         hidden = self._fuse(state.hidden_states)  # [B, N, H] for every tree node
-        for b, path in enumerate(result.paths):
-            if path:  # the last kept node's state is the one whose LM head gave the row's next token
-                self.last[b] = hidden[b, path[-1]]
+        # the last kept node's state is the one whose LM head gave the row's next token (a row without a path keeps
+        # its state)
+        moved = to_device([[p[-1] if p else 0, int(bool(p))] for p in result.paths], self.device)  # [B, 2]
+        picked = hidden.gather(1, moved[:, :1, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+        self.last = torch.where(moved[:, 1:].bool(), picked, self.last)
 
     def on_compact(self, state, index) -> None:
         pass  # the heads keep no per-column state
@@ -150,51 +155,103 @@ class MedusaProposer(FeatureDrafterProposer):
         if depth <= 0:
             return None
         logits = self.drafter(self.last, heads=depth).float()  # [B, D, Vd]
-        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        top_tokens = self.drafter.draft_to_target(top_ids).to(state.device)  # [B, D, k]
-        tree = self._tree(state, top_logp.cpu(), top_tokens, depth)
+        k = min(self.top_k, logits.shape[-1])
+        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [B, D, k]
+        head, rank, ancestors = self._index(depth, k)
+        node_tokens = self.drafter.draft_to_target(top_ids[:, head, rank]).to(state.device)  # [B, P] every pool node
+        self._predicted, self._worth = None, None
+        rows = [self._allowed(depth, k, m) for m in state.max_drafts]
+        if self.adaptive:
+            node_logp = top_logp[:, head, rank]  # [B, P]
+            # a node's path probability: the product of its own and its ancestors' (a zero column pads the paths)
+            reach = torch.cat([node_logp, node_logp.new_zeros(node_logp.shape[0], 1)], 1)[:, ancestors].sum(-1).exp()
+            rows = self._adapt(state, reach.tolist(), rows)  # the proposal's one host read
+        tree = self._tree(state, node_tokens, rows)
+        if tree is None:
+            self._predicted = None
         if self.adaptive:
             self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
         return tree
 
-    def _tree(self, state, top_logp: torch.Tensor, top_tokens: torch.Tensor, depth: int):
-        bsz = state.batch_size
-        usable = self._rank < top_logp.shape[-1]
-        depth_index = (self._depth - 1).clamp(max=depth - 1)
-        node_logp = top_logp[:, depth_index, self._rank.clamp(max=top_logp.shape[-1] - 1)]  # [B, P]
-        cum = node_logp.clone()
-        for level in range(2, self.depth + 1):  # a node's path probability: its parent's times its own
-            at = (self._depth == level).nonzero()[:, 0]
-            cum[:, at] += cum[:, self._parent[at]]
-        reach = cum.exp()  # [B, P]
-        rows_tokens, rows_parents, self._predicted, self._worth = [], [], [], None
-        tokens = top_tokens.tolist()  # [B][D][k]
+    def _index(self, depth: int, k: int):
+        """Device index tensors of the pool (cached): each node's head and top-k rank (``[P]``, clamped into the heads
+        and ranks drafted; such nodes are never kept) and its ancestors-or-self ``[P, D]`` (``P``: padding)."""
+        key = (str(self.device), depth, k)
+        if key not in self._indices:
+            size = len(self.choices)
+            paths = [[i] for i in range(size)]
+            for path in paths:
+                while self._parent[path[-1]] >= 0:
+                    path.append(self._parent[path[-1]])
+            index = [[min(len(c), depth) - 1 for c in self.choices], [min(c[-1], k - 1) for c in self.choices]]
+            index.append([q for path in paths for q in path + [size] * (self.depth - len(path))])
+            head, rank, ancestors = to_device(index[0], self.device), to_device(index[1], self.device), \
+                to_device(index[2], self.device).view(size, self.depth)
+            self._indices[key] = (head, rank, ancestors)
+        return self._indices[key]
+
+    def _allowed(self, depth: int, k: int, budget: int) -> list[int]:
+        """The pool nodes (pool order, parents first) a row may draft: no deeper than ``depth`` and its ``budget``,
+        every rank on the path among the ``k`` drafted (cached: host facts)."""
+        key = (depth, k, budget)
+        if key not in self._allowed_nodes:
+            limit = min(depth, budget)
+            self._allowed_nodes[key] = [i for i, c in enumerate(self.choices) if len(c) <= limit and max(c) < k]
+        return self._allowed_nodes[key]
+
+    def _adapt(self, state, reach: list[list[float]], rows: list[list[int]]) -> list[list[int]]:
+        """Each row's nodes cut to those that pay for their verification (``reach[b][i]``: node ``i``'s path
+        probability, host floats): the best first, as many as pay for the row, then for the batch; back in pool
+        order, closed under ancestors. Records the predictions for the calibration and the back-off."""
         ordered = []
-        for b in range(bsz):
-            ok = (self._depth <= min(depth, state.max_drafts[b])) & usable
-            nodes = ok.nonzero()[:, 0]
-            if self.adaptive and len(nodes):
-                order = nodes[torch.argsort(reach[b, nodes], descending=True, stable=True)]
-                nodes = order[:self._pays(state, reach[b, order])]  # best first
-            ordered.append(nodes)
-        cap = None
-        if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
-            cap = batch_cap([(reach[b, n] * self.calibration).tolist() for b, n in enumerate(ordered)],
+        for b, nodes in enumerate(rows):
+            order = sorted(nodes, key=lambda i: -reach[b][i])  # stable: ties keep pool order (parents first)
+            ordered.append(order[:self._pays(state, [reach[b][i] for i in order])])
+        if state.batch_size > 1 and state.cost_model is not None:  # the rows share one forward
+            cap = batch_cap([[reach[b][i] * self.calibration for i in nodes] for b, nodes in enumerate(ordered)],
                             state.cost_model, state.active)
+            ordered = [nodes[:cap] for nodes in ordered]
+        kept, self._predicted = [], []
         for b, nodes in enumerate(ordered):
-            if self.adaptive and len(nodes):
-                nodes = nodes[:cap].sort().values  # pool order: parents first
-                if len(nodes):
-                    self._note_worth(state, float(reach[b, nodes].sum()), len(nodes))
-            self._predicted.append(float(reach[b, nodes].sum()) if len(nodes) else 0.0)
-            paths = [self.choices[p] for p in nodes.tolist()]
-            slot = {path: i + 1 for i, path in enumerate(paths)}  # the root is slot 0
-            rows_tokens.append([tokens[b][len(path) - 1][path[-1]] for path in paths])
-            rows_parents.append([slot.get(path[:-1], 0) for path in paths])
-        tree = DraftTree.from_rows(state.roots(), rows_tokens, rows_parents)
-        if tree is None:
-            self._predicted = None
-        return tree
+            chosen = set(nodes)
+            for i in nodes:  # a tie between a node and its parent can leave the parent out: add ancestors back
+                p = self._parent[i]
+                while p >= 0 and p not in chosen:
+                    chosen.add(p)
+                    p = self._parent[p]
+            kept.append(sorted(chosen))
+            self._predicted.append(sum(reach[b][i] for i in chosen))
+            if chosen:
+                self._note_worth(state, self._predicted[b], len(chosen))
+        return kept
+
+    def _tree(self, state, node_tokens: torch.Tensor, rows: list[list[int]]):
+        """The draft tree of each row's pool nodes ``rows[b]`` (pool order, closed under ancestors); ``node_tokens
+        [B, P]`` every pool node's token, on the device. Parents come from the pool (host data): one copy of the
+        indices to the device, nothing read back."""
+        width = max(len(nodes) for nodes in rows)
+        if width == 0:
+            return None
+        if len(self._slots) > 4096:  # adaptive rows pick many subsets: keep the cache bounded
+            self._slots.clear()
+        packed, chains = [], True
+        for nodes in rows:
+            key = tuple(nodes)
+            if key not in self._slots:
+                slot = {p: i + 1 for i, p in enumerate(nodes)}  # the root is slot 0
+                self._slots[key] = [slot.get(self._parent[p], 0) for p in nodes]
+            parents = self._slots[key]
+            chains = chains and parents == list(range(len(nodes)))
+            pad = [0] * (width - len(nodes))
+            packed.append(nodes + pad + parents + pad + [len(nodes)])
+        packed = to_device(packed, state.device)  # [B, 2W + 1]: pool index and parent slot of every node, count
+        tokens = node_tokens.gather(1, packed[:, :width])
+        root = state.roots()
+        if chains:  # every row a chain: the verifier's fast path
+            return DraftTree.chain(root, tokens, [len(nodes) for nodes in rows])
+        valid = torch.arange(width + 1, device=state.device)[None, :] <= packed[:, -1:]
+        parents = torch.cat([root.new_full((root.shape[0], 1), -1), packed[:, width:2 * width]], 1)
+        return DraftTree(tokens=torch.cat([root[:, None], tokens], 1), parents=parents, valid=valid)
 
 
 def _choices_arg(opts, device):
@@ -211,7 +268,7 @@ def _choices_arg(opts, device):
 
 
 def _build(target, opts) -> MedusaProposer:
-    return MedusaProposer(opts["drafter"], choices=_choices_arg(opts, target.device),
+    return MedusaProposer(opts["drafter"], choices=_choices_arg(opts, drafter_device(target)),
                           adaptive=opts["draft_length_schedule"] != "constant", acceptance=opts["acceptance"],
                           posterior_threshold=opts["posterior_threshold"], posterior_alpha=opts["posterior_alpha"])
 

@@ -32,6 +32,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.mtp import LAYOUTS, MTPModule, ParallelMTPHeads
+from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
 from .eagle3 import Eagle3Proposer, default_tree
@@ -108,11 +109,12 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
         counts = [min(m, k) for m in state.max_drafts]
         self._worth, self._predicted = None, None
         if self.adaptive:
-            counts = self._cut_chains(state, probs.gather(-1, picks[..., None])[..., 0].cumprod(-1), counts)
+            reach = probs.gather(-1, picks[..., None])[..., 0].cumprod(-1).tolist()  # the proposal's one host read
+            counts = self._cut_chains(state, reach, counts)
         tree = None
         if any(counts):
             draft_probs = self._target_probs(state, probs) if state.do_sample else None
-            tree = DraftTree.chain(state.roots(), drafts, torch.tensor(counts, device=state.device), draft_probs)
+            tree = DraftTree.chain(state.roots(), drafts, counts, draft_probs)
         if self.adaptive:
             self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
         return tree
@@ -145,7 +147,7 @@ def _build(target, opts):
         if opts["num_speculative_tokens"] is not None:
             raise ValueError("Pass num_speculative_tokens (a chain) or tree_* options (a tree), not both.")
         return MTPProposer(drafter, num_speculative_tokens=None, adaptive=adaptive,
-                           **{**default_tree(target.device, target.dtype), **given})
+                           **{**default_tree(drafter_device(target), target.dtype), **given})
     return MTPProposer(drafter, num_speculative_tokens=opts["num_speculative_tokens"] or DEFAULT_TOKENS,
                        adaptive=adaptive)
 

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..placement import input_device
+
 
 def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: int = 64, progress: bool = True):
     """Write ``shard_XXXXX.safetensors`` files for ``samples`` (``(input_ids, loss_mask)`` lists) into ``out_dir``."""
@@ -39,9 +41,9 @@ def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: i
         ids_all, mask_all, feats, lasts, argmax, offsets = [], [], [], [], [], [0]
         with torch.no_grad():
             for ids, mask in shard:
-                x = torch.tensor([ids], device=target.device)
+                x = torch.tensor([ids], device=input_device(target))  # model.device: meta when offloaded
                 hs = target(input_ids=x, output_hidden_states=wanted, logits_to_keep=1).hidden_states
-                feats.append(torch.cat([hs[i][0] for i in layer_ids], dim=-1).to(torch.float16).cpu())
+                feats.append(torch.cat([hs[i][0].to(torch.float16).cpu() for i in layer_ids], dim=-1))  # any devices
                 lasts.append(hs[n_layers][0].to(torch.float16).cpu())
                 argmax.append(target.get_output_embeddings()(hs[n_layers][0]).argmax(-1).to(torch.int32).cpu())
                 ids_all.append(torch.tensor(ids, dtype=torch.int32))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..placement import input_device
 from .eagle3 import _shift
 from .trainer import mean_denominator
 
@@ -54,8 +55,8 @@ def exit_features(target, shards, exit_layer: int, progress: bool = True) -> lis
         exits = []
         with torch.no_grad():
             for start, end in zip(offsets, offsets[1:]):
-                x = ids[start:end][None].to(target.device)
-                pos = torch.arange(end - start, device=target.device)[None]
+                x = ids[start:end][None].to(input_device(target))  # model.device: meta when offloaded
+                pos = torch.arange(end - start, device=x.device)[None]
                 hidden = stack.embed(x)
                 # one unpadded sequence: no mask (causal attention), no cache
                 hidden = stack.run(hidden, 0, exit_layer, None, stack.rotary(hidden, pos), pos, None)

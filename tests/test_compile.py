@@ -1,0 +1,153 @@
+"""The ``compile`` option (hf_specdec.compiled): verification through torch.compile at bucket sizes over a static
+cache. Greedy outputs stay the target's own; after a warm-up call a second call compiles nothing new; padding nodes
+change no node's logits. Inductor on the CPU compiles for seconds per size, so most tests run dynamo with its
+``eager`` backend (the same graphs, guards and recompilations, no code generation) and one runs inductor."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import DynamicCache, StaticCache
+
+import hf_specdec
+from eagle3_fixtures import H, random_weights
+from hf_specdec import cache as cache_ops
+from hf_specdec.compiled import CompiledRunner, bucket_size
+from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+from hf_specdec.runners import TargetRunner, runner_for
+from hf_specdec.tree import build_attention_mask
+from tiny import prompts, tiny_model
+
+KW = dict(do_sample=False, eos_token_id=None)
+
+
+@pytest.fixture()
+def eager_backend(monkeypatch):
+    monkeypatch.setattr(CompiledRunner, "backend", "eager")
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def test_bucket_sizes():
+    assert [bucket_size(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 65, 128, 129)] == \
+        [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 128, 128, 192]
+
+
+def test_runner_choice_and_static_cache_for_the_call():
+    model = tiny_model("llama")
+    runner = runner_for(model, compile=True)
+    assert isinstance(runner, CompiledRunner) and runner is runner_for(model, compile=True)
+    assert type(runner_for(model, kernels=False)) is TargetRunner
+    cache = runner.cache_for_call(DynamicCache())
+    assert isinstance(cache, StaticCache) and cache.get_max_length() == CompiledRunner.MIN_CACHE
+    loop_cache = cache_ops.new_cache_like(model, cache, capacity=100)  # the loop's cache keeps the longer length
+    assert loop_cache.get_max_length() == CompiledRunner.MIN_CACHE
+    runner.note_cache_length(700)  # a longer call: later calls get its length, rounded up
+    assert runner.cache_for_call(None).get_max_length() == 768
+    assert TargetRunner(model).cache_for_call(None) is None
+
+
+def test_compiled_session_needs_a_static_cache():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="static KV cache.*cache_implementation='static'"):
+        runner_for(model, compile=True).session(DynamicCache())
+
+
+def test_padding_nodes_change_no_logits(eager_backend):
+    """A 3-node tree verified at 4 nodes (and cut to room when the cache is nearly full) gives the logits and hidden
+    states of the unpadded forward; the padding column lies after the tree's."""
+    model = tiny_model("llama", layers=2)
+    ids, _ = prompts(2, 10, pad=False)
+    tokens = torch.randint(3, 90, (2, 3))
+    pos = torch.arange(10, 13)[None].expand(2, -1)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].expand(2, 3, 3)  # root, 2 kids
+
+    def run(runner, capacity, room=None):
+        cache = cache_ops.new_cache_like(model, StaticCache(config=model.config, max_cache_len=1), capacity)
+        with torch.no_grad(), runner.session(cache, hidden_states=[1, 2]) as target:
+            model(input_ids=ids, cache=cache, use_cache=True)
+            mask = build_attention_mask(model.config, torch.ones(2, 10, dtype=torch.bool), torch.arange(10)[None]
+                                        .expand(2, -1), pos, tree, model.dtype, kv_width=target.kv_width)
+            target._past = None if room is None else target.kv_width - room
+            out = target.forward(tokens, mask, pos)
+        return out.logits, out.hidden_states
+
+    ref_logits, ref_hidden = run(TargetRunner(model), 13)
+    for capacity, room in ((64, None), (13, 3)):
+        logits, hidden = run(CompiledRunner(model), capacity, room)
+        assert logits.shape == (2, 3, model.config.vocab_size)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+        for i in (1, 2):
+            torch.testing.assert_close(hidden[i], ref_hidden[i], rtol=1e-5, atol=1e-5)
+
+
+def _eagle3(target):
+    """A tiny random EAGLE-3 drafter for ``target`` (as tests/test_eagle3.py makes them)."""
+    weights = random_weights(target_hidden=target.config.hidden_size, seed=0, scale=0.5)
+    config = Eagle3Config(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                          vocab_size=target.config.vocab_size, draft_vocab_size=weights["lm_head.weight"].shape[0],
+                          num_target_layers=target.config.num_hidden_layers)
+    drafter = Eagle3Drafter(config)
+    drafter.load_state_dict(weights, strict=False)
+    return drafter.eval()
+
+
+def test_eagle3_tree_lossless_and_no_recompile_after_warm_up(eager_backend):
+    """A batch (left padding, rows accepting different lengths) of 3-node trees verified at 4 nodes."""
+    bsz = 2
+    target = tiny_model("llama", layers=4, hidden=H)
+    drafter = _eagle3(target)
+    ids, mask = prompts(bsz, 12, seed=bsz)
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW)
+    method = hf_specdec.decoding_method("eagle3", drafter=drafter, tree_top_k=2, tree_depth=2, tree_total_tokens=3,
+                                        draft_length_schedule="constant", compile=True)
+    graphs = []
+    for _ in range(2):
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW,
+                              return_dict_in_generate=True, custom_generate=method)
+        assert torch.equal(out.sequences, ref)
+        assert out.speculative_stats["proposed_drafts"] > 0
+        graphs.append(_graphs())
+    assert graphs[1] == graphs[0]  # the second call compiled nothing
+
+
+def test_sliding_window_masks_and_layerskip_resume(eager_backend):
+    """gemma3 (a {layer type: mask} mapping, padded per type) with prompt_lookup, and LayerSkip, whose verification
+    resumes from its early exit eagerly over the static cache (its calibration and plain steps compiled)."""
+    from test_layerskip import agreeable
+
+    target = agreeable("gemma3", layers=4)
+    ids, mask = prompts(2, 12, seed=3)
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **KW)
+    for method, opts in (("prompt_lookup", dict(prompt_lookup_num_tokens=3)),
+                         ("layerskip", dict(exit_layer=2, num_speculative_tokens=3))):
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, **KW, compile=True,
+                              return_dict_in_generate=True, draft_length_schedule="constant",
+                              custom_generate=hf_specdec.decoding_method(method), **opts)
+        assert torch.equal(out.sequences, ref), method
+        assert out.speculative_stats["proposed_drafts"] > 0, method
+
+
+def test_prompt_lookup_compiled_with_inductor_lossless_and_no_recompile():
+    """The real thing on a CPU: inductor, three sizes (1, 2, 4 nodes), the greedy output of the target's own
+    generate(); a second call (another prompt length, the folder entry point) compiles nothing."""
+    target = tiny_model("llama", layers=2)
+    kw = dict(max_new_tokens=24, **KW, draft_length_schedule="constant", prompt_lookup_num_tokens=2)
+    graphs = []
+    for length in (12, 15):
+        ids, mask = prompts(1, length, seed=length)
+        ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, **KW)
+        out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True, compile=True,
+                              custom_generate=hf_specdec.decoding_method("prompt_lookup"))
+        assert torch.equal(out.sequences, ref)
+        assert out.speculative_stats["accepted_drafts"] > 0
+        graphs.append(_graphs())
+    assert graphs[1] == graphs[0]
+
+
+def test_bench_method_string_takes_compile():
+    from hf_specdec.bench.harness import build_methods
+
+    methods = build_methods(["prompt_lookup:compile=1", "prompt_lookup"])
+    assert [m.kwargs["custom_generate"].defaults.get("compile") for m in methods] == [True, None]
