@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import to_mask, tree_mask_format
+from .attention import TENSOR, to_mask, tree_mask_format
 from .syncs import to_device
 
 
@@ -194,6 +194,19 @@ def _lower_triangle(n: int, device) -> torch.BoolTensor:
     return _CONSTANTS[key]
 
 
+def _sliding(config) -> bool:
+    """Whether ``config`` has sliding-window layers (:func:`build_attention_mask` then gives a mask per layer type)."""
+    return getattr(config, "sliding_window", None) is not None and "sliding_attention" in (
+        getattr(config, "layer_types", None) or [])
+
+
+def additive_mask(config) -> bool:
+    """Whether :func:`build_attention_mask` gives ``config`` one ``[B, 1, n, kv]`` additive float tensor (no
+    sliding-window layers, no ``BlockMask``): 0 where a query attends, ``finfo(dtype).min`` elsewhere, so that a
+    caller feeding many steps may assemble it from such pieces itself (raises as the builder does)."""
+    return tree_mask_format(config) == TENSOR and not _sliding(config)
+
+
 def build_attention_mask(
     config,
     past_valid: torch.BoolTensor,
@@ -228,7 +241,7 @@ def build_attention_mask(
     allowed[:, :, past:past + n] = new_attends_new
     layer_types = getattr(config, "layer_types", None) or []
     window = getattr(config, "sliding_window", None)
-    wants_sliding = window is not None and "sliding_attention" in layer_types
+    wants_sliding = _sliding(config)
     fmt = tree_mask_format(config)  # flex_attention: BlockMasks; an attention that sees padding only: raises
 
     def to_additive(ok: torch.BoolTensor) -> torch.Tensor:

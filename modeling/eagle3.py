@@ -146,36 +146,58 @@ class Eagle3Attention(nn.Module):
         linear = scaling.get("rope_type", scaling.get("type")) == "linear"
         self.position_scale = float(scaling.get("factor", 1.0)) if linear else 1.0
 
-    def rope(self, x: torch.Tensor, position_ids: torch.LongTensor) -> torch.Tensor:
-        # computed here rather than stored: a non-persistent buffer would be left uninitialised by from_pretrained
-        inv_freq = 1.0 / (self.config.rope_theta ** (
-            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=x.device) / self.head_dim))
-        pos = position_ids.to(device=x.device, dtype=torch.float32) / self.position_scale
-        freqs = pos[..., None] * inv_freq  # [B, T, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos()[:, None].to(x.dtype), emb.sin()[:, None].to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def rotary(self, position_ids: torch.LongTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[B, T, 1, head_dim]`` in ``dtype``, for :meth:`rotate`; the first half of ``sin``
+        negated (``rotate_half``'s sign, moved off the activations)."""
+        device = position_ids.device
+        inv_freq = self.__dict__.get("_inv_freq")
+        if inv_freq is None or inv_freq.device != device:
+            # a plain attribute, not a buffer: a non-persistent buffer would be left uninitialised by from_pretrained
+            inv_freq = 1.0 / (self.config.rope_theta ** (
+                torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device) / self.head_dim))
+            self.__dict__["_inv_freq"] = inv_freq
+        pos = position_ids.to(torch.float32)
+        if self.position_scale != 1.0:
+            pos = pos / self.position_scale
+        freqs = (pos[..., None] * inv_freq)[:, :, None]  # [B, T, 1, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)
 
-    def forward(self, x, position_ids, attention_mask=None, cache=None, extra_kv=None):
+    @staticmethod
+    def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE of ``x [B, T, heads, D]``: ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) = cat(-x2, x1)``
+        written as ``roll(x) * (sin with its first half negated)`` (the same products, bit for bit)."""
+        cos, sin = rotary
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+    def rope(self, x: torch.Tensor, position_ids: torch.LongTensor) -> torch.Tensor:
+        """RoPE of ``x [B, heads, T, D]`` at ``position_ids [B, T]``."""
+        return self.rotate(x.transpose(1, 2), self.rotary(position_ids.to(x.device), x.dtype)).transpose(1, 2)
+
+    def forward(self, x, position_ids, attention_mask=None, cache=None, extra_kv=None, rotary=None):
         bsz, length, _ = x.shape
-        q = self.q_proj(x).view(bsz, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, length, self.num_kv, self.head_dim).transpose(1, 2)
+        if rotary is None:
+            rotary = self.rotary(position_ids.to(x.device), x.dtype)
+        q = self.q_proj(x).view(bsz, length, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, length, self.num_kv, self.head_dim)
         v = self.v_proj(x).view(bsz, length, self.num_kv, self.head_dim).transpose(1, 2)
-        q, k = self.rope(q, position_ids), self.rope(k, position_ids)
+        qk = self.rotate(torch.cat([q, k], dim=2), rotary).transpose(1, 2)  # queries and keys rotated at once
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         if cache is not None:
             k, v = cache.update(k, v, 0)
         if extra_kv is not None:  # training-time test: keys/values of earlier steps at the same positions
             k = torch.cat([k, extra_kv[0]], dim=2)
             v = torch.cat([v, extra_kv[1]], dim=2)
-        if self.num_kv != self.num_heads:
+        # grouped heads: the CPU kernel reads each key/value head for its query heads (the same products as over
+        # repeated heads, without the copies); elsewhere repeated, as some accelerator kernels take no groups
+        grouped = self.num_kv != self.num_heads
+        if grouped and q.device.type != "cpu":
             rep = self.num_heads // self.num_kv
-            k_all, v_all = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k_all, v_all, grouped = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         else:
             k_all, v_all = k, v
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attention_mask,
-                                             is_causal=attention_mask is None and length > 1)
+                                             is_causal=attention_mask is None and length > 1, enable_gqa=grouped)
         out = out.transpose(1, 2).reshape(bsz, length, self.num_heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
@@ -201,12 +223,24 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(config)
         self.post_attention_layernorm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = Eagle3MLP(config)
+        # read per forward: plain attributes (a transformers config's attribute reads are slow)
+        self.hidden_size, self.norm_before_residual = config.hidden_size, config.norm_before_residual
 
-    def forward(self, embeds, hidden, position_ids, attention_mask=None, cache=None, extra_kv=None):
-        normed = self.hidden_norm(hidden)
-        residual = normed if self.config.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        attn, kv = self.self_attn(x, position_ids, attention_mask, cache, extra_kv)
+    def input_norms(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """``cat(input_layernorm(embeds), hidden_norm(hidden))`` (``[B, T, 2 * hidden_size]``), both RMSNorms in one
+        pass over the two stacked: each row's statistics and products are the ones its own norm computes."""
+        first, second = self.input_layernorm, self.hidden_norm
+        if first.variance_epsilon != second.variance_epsilon or embeds.dtype != hidden.dtype:
+            return torch.cat([first(embeds), second(hidden)], dim=-1)
+        both = torch.stack([embeds, hidden], dim=-2).to(torch.float32)  # [B, T, 2, H]
+        both = both * torch.rsqrt(both.pow(2).mean(-1, keepdim=True) + first.variance_epsilon)
+        weight = torch.stack([first.weight, second.weight])  # [2, H]
+        return (weight * both.to(hidden.dtype)).flatten(-2)
+
+    def forward(self, embeds, hidden, position_ids, attention_mask=None, cache=None, extra_kv=None, rotary=None):
+        x = self.input_norms(embeds, hidden)
+        residual = x[..., self.hidden_size:] if self.norm_before_residual else hidden
+        attn, kv = self.self_attn(x, position_ids, attention_mask, cache, extra_kv, rotary)
         hidden = residual + attn
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))
         return hidden, kv
@@ -238,6 +272,9 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        # read per forward and per draft: plain attributes (a transformers config's attribute reads are slow)
+        self._widths = (3 * config.target_hidden_size, config.hidden_size)  # fused target features, own states
+        self._same_vocab = config.draft_vocab_size == config.vocab_size
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool)
                              if config.draft_vocab_size == config.vocab_size
@@ -272,24 +309,29 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
         return self.config.layer_ids_for(text.num_hidden_layers)
 
     def draft_to_target(self, draft_ids: torch.LongTensor) -> torch.LongTensor:
-        if self.config.draft_vocab_size == self.config.vocab_size:
+        if self._same_vocab:
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
     # ---- forward
+    def rotary(self, position_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``(cos, sin)`` at ``position_ids [B, T]`` (``[B, T, 1, head_dim]`` each), for ``forward``'s
+        ``rotary``."""
+        return self.midlayer.self_attn.rotary(position_ids.to(self.fc.weight.device), self.fc.weight.dtype)
+
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``fc`` for fused target features (``3 * target_hidden_size`` wide); drafter states pass unchanged."""
-        if hidden_states.shape[-1] == 3 * self.config.target_hidden_size and (
-            hidden_states.shape[-1] != self.config.hidden_size
-        ):
+        fused, own = self._widths
+        if hidden_states.shape[-1] == fused and fused != own:
             return self.fc(hidden_states)
-        if hidden_states.shape[-1] != self.config.hidden_size:
+        if hidden_states.shape[-1] != own:
             raise ValueError(f"EAGLE-3 input states must be {3 * self.config.target_hidden_size} (fused target "
                              f"features) or {self.config.hidden_size} wide, got {hidden_states.shape[-1]}.")
         return hidden_states
 
     def forward(self, input_ids: torch.LongTensor, hidden_states: torch.Tensor, position_ids: torch.LongTensor,
-                attention_mask: torch.Tensor | None = None, cache=None, extra_kv=None, return_kv: bool = False):
+                attention_mask: torch.Tensor | None = None, cache=None, extra_kv=None, return_kv: bool = False,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Draft logits for the next tokens.
 
         Args:
@@ -300,13 +342,15 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
             attention_mask: additive ``[B, 1, T, K]`` (``None``: causal).
             cache: a ``transformers`` cache for the drafter's single layer (index 0).
             extra_kv: training-time test only: ``(k, v)`` of earlier steps appended to the keys.
+            rotary: :meth:`rotary` of ``position_ids`` (or any ``[B or 1, T or 1, 1, head_dim]`` views of it), when
+                the caller has it already (a draft tree computes it once for all its depths).
 
         Returns ``(logits [B, T, draft_vocab_size], prenorm [B, T, hidden_size])`` (and ``(k, v)`` with
         ``return_kv``).
         """
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
         hidden = self.project(hidden_states.to(self.fc.weight.dtype))
-        hidden, kv = self.midlayer(embeds, hidden, position_ids, attention_mask, cache, extra_kv)
+        hidden, kv = self.midlayer(embeds, hidden, position_ids, attention_mask, cache, extra_kv, rotary)
         logits = self.lm_head(self.norm(hidden))
         return (logits, hidden, kv) if return_kv else (logits, hidden)
 

@@ -80,12 +80,13 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self.chain = num_speculative_tokens
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
-        self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`
+        self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`; (k, device, dtype) -> :meth:`_own`
 
     def begin(self, state) -> None:
         super().begin(state)
         self._worth = None
         self._confident: int | None = None  # depths the last proposal found worth drafting (None: not judged yet)
+        self._rotary = None  # the proposal's RoPE table for the tree rows (:meth:`_draft_forward`)
 
     # ---- drafter forwards
     def _on(self, t: torch.Tensor) -> torch.Tensor:
@@ -143,6 +144,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             return self._tree(state, root_logits, root_hidden)
         finally:
             cache_ops.crop(self.cache, context)  # tree rows are drafter guesses: never kept
+            self._rotary = None
             if backs_off:
                 self._schedule(state, time.perf_counter() - start)
 
@@ -152,26 +154,53 @@ class Eagle3Proposer(FeatureDrafterProposer):
 
     def _draft_forward(self, tokens, hidden, positions, mask, step: int):
         """One drafter forward over rows ``tokens [B, k]`` (``step``: 0 for context rows, ``d`` for the rows that
-        draft depth ``d + 1``); returns ``(logits, hidden)``. A drafter with one module per depth (MTP) picks it."""
-        return self.drafter(tokens, hidden, positions, mask, self.cache)
+        draft depth ``d + 1``, at position ``root + d - 1``); returns ``(logits, hidden)``. A drafter with one module
+        per depth (MTP) picks it. The rows of step ``d >= 1`` take their RoPE from the proposal's table."""
+        rotary = self._rotary[step - 1] if step and self._rotary is not None else None
+        return self.drafter(tokens, hidden, positions, mask, self.cache, rotary=rotary)
 
-    def _step(self, state, tokens, hidden, positions, rows_visible, rows_pos, step: int = 1, context=None, own=None):
-        """Feed tree rows ``[B, k]`` after the context and the tree rows fed so far.
+    def _rotary_table(self, positions: torch.LongTensor):
+        """RoPE's ``(cos, sin)`` at the tree rows' positions ``[B, n]``, computed once for all of a proposal's steps:
+        one ``([B, 1, 1, D], [B, 1, 1, D])`` per step (step ``d``'s at position ``d - 1``); ``None`` for a drafter that
+        computes its own (MTP)."""
+        if not isinstance(self.drafter, Eagle3Drafter) or positions.shape[1] == 0:
+            return None
+        cos, sin = self.drafter.rotary(positions)  # [B, n, 1, D]
+        return list(zip(cos[:, :, None].unbind(1), sin[:, :, None].unbind(1)))
 
-        ``rows_visible`` is ``[B, k, R]``: which of the ``R`` earlier tree rows each new row may see (its ancestors);
-        each new row also sees the context and itself. ``context`` (``[B, k, T]``, the context columns each new row
-        sees) and ``own`` (``[B, k, k]``, itself) may be given by a caller that feeds many steps.
+    def _visible(self, valid: torch.BoolTensor) -> torch.Tensor:
+        """``valid`` (True: seen) on the drafter's device in the masks' representation (:meth:`_additive_masks`)."""
+        valid = self._on(valid)
+        if not self._additive_masks():
+            return valid
+        return torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~valid, torch.finfo(self.dtype).min)
+
+    def _own(self, k: int) -> torch.Tensor:
+        """``[k, k]``: each of ``k`` new rows sees itself only, in the masks' representation (cached)."""
+        key = (k, str(self.device), self.dtype, self._additive_masks())
+        if key not in self._candidate_facts:
+            self._candidate_facts[key] = self._visible(torch.eye(k, dtype=torch.bool, device=self.device))
+        return self._candidate_facts[key]
+
+    def _step(self, state, tokens, hidden, positions, visible, own, step: int):
+        """Feed tree rows ``tokens [B, k]`` (at ``positions [B, k]``) after the context and the ``R`` tree rows fed
+        so far; returns ``(logits, hidden, seen)``.
+
+        ``visible [B, k, T + R]``: the context columns and earlier tree rows each new row sees (its ancestors);
+        ``own [B, k, k]``: the new rows it sees (itself); ``seen [B, k, T + R + k]``: both, what a child of each new
+        row sees but its own row. All in the masks' representation (:meth:`_additive_masks`).
         """
-        layout = state.layout
-        bsz, k = tokens.shape
-        if context is None:
-            context = self._on(layout.valid[:, None, :].expand(bsz, k, layout.length))
-        if own is None:
-            own = torch.eye(k, dtype=torch.bool, device=self.device).expand(bsz, k, k)
-        past_valid = torch.cat([context, self._on(rows_visible)], dim=2)
-        past_pos = torch.cat([layout.positions, rows_pos], dim=1)
-        mask = self._mask(state, past_valid, past_pos, positions, own)
-        return self._draft_forward(self._on(tokens), hidden, self._on(positions), mask, step)
+        seen = torch.cat([visible, own], dim=2)
+        if self._additive_masks():  # the mask is what the rows see: one cat per step
+            mask = seen[:, None]
+        else:  # tree rows of step j sit at root + j - 1, k of them per step
+            rows_pos = (state.root_positions[:, None] + torch.arange(step - 1, device=state.device)
+                        ).repeat_interleave(tokens.shape[1], dim=1)
+            past_pos = torch.cat([state.layout.positions, rows_pos], dim=1)
+            mask = self._mask(state, visible, past_pos, positions, own)
+        logits, hidden = self._draft_forward(self._on(tokens), hidden, self._on(positions), mask, step)
+        return logits, hidden, seen
 
     def _depth_limit(self, state, most: int) -> int:
         """The drafts (chain) or depths (tree) to draft this step: at most ``most`` and each row's budget; adaptive, at
@@ -200,8 +229,9 @@ class Eagle3Proposer(FeatureDrafterProposer):
             return None
         drafts, probs, reaches = [], [], []
         reach = torch.ones(bsz, device=self.device)  # drafter probability that every draft so far is accepted
-        rows_valid = torch.zeros(bsz, 0, dtype=torch.bool, device=state.device)
-        rows_pos = torch.zeros(bsz, 0, dtype=torch.long, device=state.device)
+        visible = self._visible(state.layout.valid)[:, None, :]  # [B, 1, T + i]: the context and the drafts so far
+        own = self._own(1).expand(bsz, 1, 1)
+        self._rotary = self._rotary_table(state.root_positions[:, None] + torch.arange(k - 1, device=state.device))
         for i in range(k):
             scores = logits.float()
             p = torch.softmax(scores, dim=-1) if state.do_sample or self.adaptive else None
@@ -218,11 +248,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
             if i == k - 1:
                 break
             pos = (state.root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
-            logits, hidden = self._step(state, token[:, None], hidden[:, None], pos, rows_valid[:, None, :], rows_pos,
-                                        step=i + 1)
+            logits, hidden, visible = self._step(state, token[:, None], hidden[:, None], pos, visible, own, step=i + 1)
             logits, hidden = logits[:, 0], hidden[:, 0]
-            rows_valid = torch.cat([rows_valid, torch.ones(bsz, 1, dtype=torch.bool, device=state.device)], 1)
-            rows_pos = torch.cat([rows_pos, pos], 1)
         counts = [min(m, len(drafts)) for m in state.max_drafts]
         if self.adaptive:  # verify only the drafts that pay for their verification (the measured costs)
             reach_rows = torch.stack(reaches, dim=1).tolist()  # [B][k]: the proposal's one host read
@@ -252,20 +279,18 @@ class Eagle3Proposer(FeatureDrafterProposer):
         scores, toks, frontier_idx, best = [score], [tok], [], [score[:, :1]]
         key = digits[0].expand(bsz, -1) if keyed else None  # the frontier's keys
         keys = [key]
-        own = torch.eye(top_k, dtype=torch.bool, device=dev).expand(bsz, -1, -1)
-        context = self._on(state.layout.valid[:, None, :].expand(bsz, top_k, -1))  # every tree row sees the context
+        own = self._own(top_k).expand(bsz, -1, -1)
+        # [B, k, T + R] what each frontier row sees: the context, then its ancestors among the R tree rows fed
+        visible = self._visible(state.layout.valid)[:, None, :].expand(-1, top_k, -1)
         positions = state.root_positions[:, None] + torch.arange(max_depth - 1, device=state.device)  # [B, D-1]
+        self._rotary = self._rotary_table(positions)
+        row_positions = positions[:, :, None].expand(-1, -1, top_k).unbind(1)  # per depth [B, k]
         rows = torch.arange(bsz, device=dev)[:, None]
         frontier_hidden = hidden[:, None].expand(-1, top_k, -1)
-        frontier_anc = torch.zeros(bsz, top_k, 0, dtype=torch.bool, device=dev)  # ancestors among the fed rows
-        rows_pos = positions[:, :0]
         for d in range(1, max_depth):
             # feed the frontier: row (parent output, node token) at the position of the node's parent
-            pos = positions[:, d - 1:d].expand(-1, top_k)
-            step_logits, step_hidden = self._step(state, self.drafter.draft_to_target(tok), frontier_hidden, pos,
-                                                  frontier_anc, rows_pos, step=d, context=context, own=own)
-            anc = torch.cat([frontier_anc, own], dim=2)  # ancestors-or-self of the rows just fed, among all fed
-            rows_pos = torch.cat([rows_pos, pos], dim=1)
+            step_logits, step_hidden, seen = self._step(state, self.drafter.draft_to_target(tok), frontier_hidden,
+                                                        row_positions[d - 1], visible, own, step=d)
             # children of every frontier node
             if step_logits.dtype != torch.float32:
                 step_logits = step_logits.float()
@@ -274,8 +299,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
             child_tok = child_tok.flatten(1)
             scores.append(child_score)
             toks.append(child_tok)
-            if keyed:
-                keys.append(key.repeat_interleave(top_k, dim=1) + digits[d])
+            if keyed:  # each frontier node's key, plus its children's digits ([k, k] by parent and rank)
+                keys.append((key[:, :, None] + digits[d]).flatten(1))
             if d == max_depth - 1:  # the last depth: no frontier to feed
                 if self.adaptive:
                     best.append(child_score.max(1, keepdim=True).values)
@@ -287,7 +312,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             tok = child_tok.gather(1, pick)
             key = keys[-1].gather(1, pick) if keyed else None
             frontier_hidden = step_hidden[rows, parent]
-            frontier_anc = anc[rows, parent]
+            visible = seen[rows, parent]  # a child sees what its parent saw, and its parent
             if self.adaptive:
                 best.append(score[:, :1])
         # each candidate's parent: depth 1 the root, then the frontier node (1 + its candidate index) of each block
@@ -303,9 +328,9 @@ class Eagle3Proposer(FeatureDrafterProposer):
 
     def _candidates(self, max_depth: int):
         """``(depth [C], digits, keyed)`` for a tree of ``max_depth`` (cached): each candidate's depth; per depth
-        ``d + 1`` the key digit of each candidate of its block at its place (``[k]`` at depth 1, ``[k * k]`` deeper:
-        ``(rank + 1) * (top_k + 1) ** (max_depth - 1 - d)``); and whether keys fit in 62 bits (else the best-first
-        order is kept, parents first too)."""
+        ``d + 1`` the key digit of each candidate of its block at its place (``[k]`` at depth 1, ``[k, k]`` by parent
+        and rank deeper: ``(rank + 1) * (top_k + 1) ** (max_depth - 1 - d)``); and whether keys fit in 62 bits (else
+        the best-first order is kept, parents first too)."""
         cache = self._candidate_facts
         key = (str(self.device), max_depth)
         if key not in cache:
@@ -314,7 +339,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
                                2 + torch.arange((max_depth - 1) * top_k * top_k, device=dev) // (top_k * top_k)])
             keyed = base ** max_depth < 2 ** 62
             rank = torch.arange(top_k * top_k, device=dev) % top_k + 1
-            digits = [rank[:top_k] * base ** (max_depth - 1 - d) if d == 0 else rank * base ** (max_depth - 1 - d)
+            digits = [rank[:top_k] * base ** (max_depth - 1) if d == 0 else
+                      (rank * base ** (max_depth - 1 - d)).view(top_k, top_k)
                       for d in range(max_depth)] if keyed else None
             cache[key] = (depth, digits, keyed)
         return cache[key]

@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..costs import batch_cap, best_count
 from ..syncs import to_device
-from ..tree import build_attention_mask
+from ..tree import additive_mask, build_attention_mask
 from .base import BackOff, Proposer
 
 
@@ -64,6 +64,7 @@ class FeatureDrafterProposer(Proposer):
         weight = self._drafter_weight()
         self.device, self.dtype = weight.device, weight.dtype
         self.backoff = BackOff()
+        self._additive: bool | None = None  # :meth:`_additive_masks`, looked up at the call's first mask
 
     def commit(self, state, tree, result) -> None:
         self._update_calibration(result)
@@ -97,13 +98,30 @@ class FeatureDrafterProposer(Proposer):
             raise RuntimeError(f"{self.name} needs the target's hidden states; the loop did not return them.")
         return torch.cat([hidden_states[i].to(self.device, self.dtype) for i in self.target_hidden_states], dim=-1)
 
+    def _additive_masks(self) -> bool:
+        """Whether the drafter takes one additive float mask (:func:`~hf_specdec.tree.additive_mask`): its masks are
+        then assembled from additive pieces (0 / finfo.min) directly, else from booleans by
+        :func:`~hf_specdec.tree.build_attention_mask`. Looked up once per call."""
+        if self._additive is None:
+            self._additive = additive_mask(self.drafter.config)
+        return self._additive
+
     def _context_mask(self, state, start: int, end: int):
         """The mask of the drafter's rows for the target columns ``start..end`` after its rows of ``0..start``:
         causal over the real columns, a hole seeing only itself."""
         layout = state.layout
         n = end - start
+        holes = layout.counts is None or any(c != layout.length for c in layout.counts)  # some row has holes
+        if self._additive_masks():
+            minval = torch.finfo(self.dtype).min
+            causal = torch.full((n, end), minval, dtype=self.dtype, device=self.device).triu(start + 1)  # [n, end]
+            if not holes:
+                return causal.expand(layout.valid.shape[0], 1, n, end)
+            mask = causal.masked_fill(~layout.valid[:, None, :end].to(self.device), minval)  # [B, n, end]
+            mask.diagonal(start, -2, -1).zero_()  # a hole still sees itself
+            return mask[:, None]
         attends = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None]
-        if layout.counts is None or any(c != layout.length for c in layout.counts):  # some row has holes
+        if holes:
             attends = attends & layout.valid[:, None, start:end].to(self.device)
             attends |= torch.eye(n, dtype=torch.bool, device=self.device)[None]  # holes still see themselves
         else:
