@@ -76,6 +76,8 @@ from pathlib import Path
 
 import torch
 
+from hf_specdec.bench.harness import ForwardProbe
+
 SCHEMA = "hf_specdec.gpu_bench/1"
 METHODS = ("eagle3", "medusa", "mtp", "dflash", "assisted", "hf_assisted")  # stock generate() always runs
 MEDUSA_HEADS = 5
@@ -218,47 +220,10 @@ def deepest_draft(name: str, tau: int, chain_length: int | None, tiny: bool) -> 
 
 
 # ----------------------------------------------------------------------------------------------------- measuring
-class Forwards:
-    """Times the ``forward`` calls of one module object (hooks on it alone, not on its submodules): ``perf_counter``
-    on the CPU, CUDA events on a GPU (read after the caller synchronised); ``sizes``: new tokens per call."""
-
-    def __init__(self, module):
-        self.module = module
-        self.cuda = next(module.parameters()).device.type == "cuda"
-        self.reset()
-        self._handles = [module.register_forward_pre_hook(self._pre, with_kwargs=True),
-                         module.register_forward_hook(self._post)]
-
-    def reset(self):
-        self.sizes, self._open, self._spans = [], None, []
-
-    def _pre(self, module, args, kwargs):
-        x = kwargs.get("input_ids", args[0] if args else None)
-        if x is None:
-            x = kwargs.get("inputs_embeds", kwargs.get("hidden_states"))
-        self.sizes.append(int(x.shape[1]) if x is not None and x.dim() > 1 else 0)
-        if self.cuda:
-            self._open = torch.cuda.Event(enable_timing=True)
-            self._open.record()
-        else:
-            self._open = time.perf_counter()
-
-    def _post(self, module, args, output):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._spans.append((self._open, end))
-        else:
-            self._spans.append(time.perf_counter() - self._open)
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            return [start.elapsed_time(end) / 1000 for start, end in self._spans]
-        return list(self._spans)
-
-    def remove(self):
-        for h in self._handles:
-            h.remove()
+def Forwards(module) -> ForwardProbe:
+    """Times the ``forward`` calls of one module object (hooks on it alone): ``perf_counter`` on the CPU, CUDA events
+    on a GPU (read after the caller synchronised); ``sizes``: new tokens per call."""
+    return ForwardProbe(module, time_calls=True, by_last_layer=False)
 
 
 def _sync(device):
@@ -342,8 +307,8 @@ class Runner:
         wall = time.perf_counter() - t0
         sequences = out.sequences if hasattr(out, "sequences") else out
         record = dict(wall=wall, sequences=sequences, stats=getattr(out, "speculative_stats", None),
-                      target_sizes=list(self.target.sizes), target_seconds=self.target.seconds(),
-                      draft_seconds=dprobe.seconds() if dprobe is not None else [],
+                      target_sizes=list(self.target.sizes), target_seconds=list(self.target.seconds),
+                      draft_seconds=list(dprobe.seconds) if dprobe is not None else [],
                       replay_seconds=replay.replay_seconds if replay is not None else 0.0, first_commit=first_commit)
         if name == "hf_assisted":
             dprobe.remove()

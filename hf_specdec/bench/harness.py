@@ -108,9 +108,11 @@ class ForwardProbe:
     forward). The times are those of the model's ``forward`` calls (``seconds`` may then be shorter than ``sizes``):
     with ``time_calls``, wall time (``perf_counter``) on a CPU and, on CUDA, the device time between two events
     recorded around each call (no synchronisation; read once the caller has synchronised, after the call).
+    ``by_last_layer=False`` counts the module's own ``forward`` calls only (a drafter; a model sharing its layers
+    with another, whose last layer also runs for the other).
     """
 
-    def __init__(self, module, time_calls: bool):
+    def __init__(self, module, time_calls: bool, by_last_layer: bool = True):
         self.module = module
         self.time_calls = time_calls
         self.cuda = time_calls and next(module.parameters()).device.type == "cuda"
@@ -123,7 +125,7 @@ class ForwardProbe:
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
             module.register_forward_hook(self._post),
         ]
-        layers = getattr(getattr(module, "base_model", None), "layers", None)
+        layers = getattr(getattr(module, "base_model", None), "layers", None) if by_last_layer else None
         if isinstance(layers, torch.nn.ModuleList) and len(layers):
             self._handles.append(layers[-1].register_forward_pre_hook(self._end, with_kwargs=True))
 
@@ -146,8 +148,8 @@ class ForwardProbe:
     def _pre(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        self.calls.append(int(ids.shape[1]) if ids is not None else 0)
+            ids = kwargs.get("inputs_embeds", kwargs.get("hidden_states"))
+        self.calls.append(int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.dim() > 1 else 0)
         if self.cuda:
             self._t0 = torch.cuda.Event(enable_timing=True)
             self._t0.record()
