@@ -21,6 +21,7 @@ streaming) is :class:`~hf_specdec.rows.RowBook`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import time
@@ -37,6 +38,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import cache as cache_ops
 from ._transformers import pad_token_tensor
+from .coupling import CoupledNoise, apply_warpers, call_seed, seeded
 from .dtypes import HALF
 from .proposers.base import Proposer
 from .rows import RowBook, Stopper
@@ -65,6 +67,10 @@ class SpeculativeStats:
 
     method: str = ""
     acceptance: str = "exact"  # "typical (lossy)": outputs are not distributed as the target's
+    sampling: str = "greedy"  # "coupled", "rejection", "typical" (hf_specdec.coupling, hf_specdec.verify)
+    seed: int | None = None  # the call's seed when it samples: seed=<it> repeats the call
+    noise_seconds: float = 0.0  # coupled sampling: time making Gumbel noise (included in the draft/verify times)
+    noise_positions: int = 0  # coupled sampling: positions whose noise was made
     target_forward_passes: int = 0
     proposed_drafts: int = 0
     accepted_drafts: int = 0
@@ -94,6 +100,10 @@ class SpeculativeStats:
         return {
             "method": self.method,
             "acceptance": self.acceptance,
+            "sampling": self.sampling,
+            "seed": self.seed,
+            "noise_seconds": self.noise_seconds,
+            "noise_positions": self.noise_positions,
             "target_forward_passes": self.target_forward_passes,
             "proposed_drafts": self.proposed_drafts,
             "accepted_drafts": self.accepted_drafts,
@@ -204,6 +214,9 @@ def speculative_decode(
     runner: TargetRunner | None = None,
     rounding: str | None = None,
     prompt_streamed: bool = False,
+    speculative_sampling: str | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
     **model_kwargs,
 ):
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
@@ -211,9 +224,13 @@ def speculative_decode(
     ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runners.runner_for`'s choice for
     the model); ``rounding`` is the ``rounding`` option (half precision; ``"auto"`` runs as ``"fast"`` where the probe
     says it would not be bit-identical, :meth:`~hf_specdec.runners.TargetRunner.rounding_for`); ``prompt_streamed``:
-    ``streamer`` has the prompt already. Returns a ``LongTensor`` of sequences, or a
-    :class:`SpeculativeDecoderOnlyOutput` when ``generation_config.return_dict_in_generate`` is set; its
-    ``speculative_stats["exact_bits"]`` says, in half precision, whether a verification here gives the bits of the
+    ``streamer`` has the prompt already. When sampling, ``speculative_sampling`` is ``"coupled"`` (default: the text
+    is a function of the seed, the same for every method; :mod:`hf_specdec.coupling`) or ``"rejection"`` (exact
+    speculative sampling, the most accepted drafts, from torch's generator); ``seed`` / ``generator`` give the
+    call's seed (default: one draw from torch's global generator; ``speculative_stats["seed"]`` reports it).
+
+    Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
+    ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half precision, whether a verification here gives the bits of the
     target's own one-token steps (probed once per model, dtype and rounding by
     :meth:`~hf_specdec.runners.TargetRunner.exact_bits`; ``False`` for a batch of several rows, whose verification is
     not made to round as one row's; ``None`` in float32, where the output is identical anyway).
@@ -239,12 +256,27 @@ def speculative_decode(
                    want_logits=return_dict and bool(generation_config.output_logits),
                    pad_id=int(pad_id) if pad_id is not None else 0, prompt_streamed=prompt_streamed)
     stats = SpeculativeStats(method=proposer.name)
+    do_sample = bool(generation_config.do_sample)
+    if do_sample and proposer.typical_acceptance and speculative_sampling == "coupled":
+        raise ValueError("acceptance='typical' (Medusa's lossy rule) has its own acceptance; it does not combine with "
+                         "speculative_sampling='coupled'. Drop one of the two.")
+    if do_sample:
+        stats.sampling = "typical" if proposer.typical_acceptance else speculative_sampling or "coupled"
+        stats.seed = call_seed(seed, generator)
+    state.do_sample = stats.sampling in ("rejection", "typical")
+    state.sampling = stats.sampling
     if model.dtype in HALF:
         stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(asked)
     state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),
                                            capacity=stopper.max_length + proposer.max_nodes + 64)
-    with runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules(), rounding) as target:
+    # rejection sampling draws from torch's generators: seeded by the call's seed when one was given
+    rng = seeded(stats.seed, state.device) if state.do_sample and (seed is not None or generator is not None) \
+        else contextlib.nullcontext()
+    with rng, runner.session(state.cache, proposer.target_hidden_states, proposer.draft_modules(),
+                             rounding) as target:
         _decode(target, state, rows, stats, proposer, input_ids, attention_mask)
+    if state.coupling is not None:
+        stats.noise_seconds, stats.noise_positions = state.coupling.seconds, state.coupling.positions_made
     sequences = rows.finish()
     stats.total_seconds = time.perf_counter() - t_start
     if not return_dict:
@@ -272,7 +304,10 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     first_logits, state.hidden_states = target.prefill(input_ids, attention_mask, positions, padded)  # [B, V]
     stats.target_forward_passes += 1
     first_scores = state.processors(input_ids, first_logits)
-    if state.do_sample:
+    if stats.sampling == "coupled":
+        state.coupling = CoupledNoise(stats.seed, state.batch_size, first_logits.shape[-1], state.device)
+        first = (first_scores + state.noise(1)[:, 0]).argmax(-1)
+    elif state.do_sample:
         first = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[:, 0]
     else:
         first = first_scores.argmax(-1)
@@ -323,10 +358,14 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         # read from events once they completed, a step or so later, never waiting for them
         timer.stop(tree.num_nodes if tree.resume is None else None)
         state.tree_logits = logits
-        greedy = not state.do_sample and process is None  # the rule on the device, without the prefixes
-        prefixes = None if greedy else [state.prefix(b) for b in range(state.batch_size)]
+        noise = state.noise(tree.max_depth() + 1) if state.coupling is not None else None
+        warp = functools.partial(apply_warpers, state.processors) if noise is not None and state.warpers_only \
+            else None
+        # the rule on the device, without the prefixes: greedy without processors, coupled with warpers only
+        on_device = (not state.do_sample and process is None) or warp is not None
+        prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
         result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
-                        typical=typical)
+                        typical=typical, noise=noise, warp=warp)
         elapsed = time.perf_counter() - t0
         stats.verify_seconds += elapsed
         stats.target_forward_passes += 1

@@ -184,9 +184,11 @@ DOC_END = "<!-- end of the generated block -->"
 def render_doc_block(method: str | registry.Method) -> str:
     """The generated block of ``docs/methods/<method>.md``: how to call the method, its drafter, its options."""
     m = method if isinstance(method, registry.Method) else registry.get(method)
+    # in bench method strings "plain" is stock generate(): a method of that name is benched by a shorthand
+    bench_name = next(iter(m.shorthands), m.name) if m.name == "plain" else m.name
     lines = [DOC_BEGIN, "", f"Call it as `custom_generate=\"hf_specdec/{m.name}\"` (with `trust_remote_code=True`), "
              f"`custom_generate=hf_specdec.decoding_method(\"{m.name}\")`, `hf-specdec generate --method {m.name}` or "
-             f"`hf-specdec bench --methods {m.name}`."]
+             f"`hf-specdec bench --methods {bench_name}`."]
     d = m.drafter
     if d is not None:
         facts = [f"Shipped for `{target}`: `hf_specdec/drafters/{folder}` (used when `drafter=` is not given)."

@@ -38,7 +38,7 @@ import torch
 
 from .placement import drafter_device
 
-BUILTIN_MODULES = ("prompt_lookup", "suffix", "lookahead", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
+BUILTIN_MODULES = ("plain", "prompt_lookup", "suffix", "lookahead", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
 
@@ -100,7 +100,18 @@ COMPILE = Option("compile", bool, None,
                  "torch.compile the target's verification forward (CUDA graphs on a GPU): a static KV cache and tree "
                  "sizes padded to 1, 2, 4, ... 64 nodes, then multiples of 64; compiles once per model and size "
                  "(minutes on a CPU), pays back over many calls (docs: hf_specdec/compiled.py)")
-LOOP_OPTIONS = (ROUNDING, COMPILE)  # options of the loop, taken by every method (not passed to its proposer)
+SAMPLING = Option("speculative_sampling", str, None,
+                  "with do_sample=True: 'coupled' (default) the Gumbel-max coupling, the text a function of the seed "
+                  "and the same for every method and draft length (identical to method 'plain'); 'rejection' exact "
+                  "speculative sampling (accepts more drafts, not repeatable under the adaptive schedule)",
+                  choices=("coupled", "rejection"))
+SEED = Option("seed", int, None,
+              "the seed of a sampled call (default: one draw from torch's global generator, so torch.manual_seed "
+              "before the call repeats it; speculative_stats['seed'] reports it)")
+GENERATOR = Option("generator", torch.Generator, None,
+                   "a torch.Generator the call draws its seed from (instead of torch's global one)")
+LOOP_OPTIONS = (ROUNDING, COMPILE, SAMPLING, SEED, GENERATOR)  # options of the loop, taken by every method (not
+# passed to its proposer)
 
 
 @dataclass(frozen=True)
@@ -184,6 +195,8 @@ class Method:
         shorthands: short forms for ``bench`` method strings, by name (its own name and variants such as
             ``eagle3_chain``).
         description: a paragraph for the method folder's README (default: ``summary``).
+        reference: drafts nothing (``plain``): the reference the methods are compared against, left out of the
+            demo's comparison.
     """
 
     name: str
@@ -193,6 +206,7 @@ class Method:
     drafter: DrafterSpec | None = None
     shorthands: Mapping[str, Shorthand] = field(default_factory=dict)
     description: str = ""
+    reference: bool = False
 
     def __repr__(self) -> str:
         return f"Method({self.name!r})"

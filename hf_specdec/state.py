@@ -11,6 +11,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache import CacheLayout
 from .costs import ForwardCostModel
+from .coupling import CoupledNoise, apply_warpers, is_warper
 from .syncs import to_device
 
 
@@ -34,6 +35,12 @@ class DecodingState:
             :meth:`Proposer.commit`; lookahead decoding harvests n-grams from the nodes that were not kept).
         cost_model: measured target forward costs (:class:`~hf_specdec.costs.ForwardCostModel`).
         processors: the call's logits processors and warpers (apply them with :meth:`process`).
+        sampling: ``"greedy"``, ``"coupled"`` (Gumbel-max coupling, :mod:`hf_specdec.coupling`), ``"rejection"``
+            (exact speculative sampling) or ``"typical"`` (Medusa's lossy rule).
+        do_sample: drafts are *sampled* and verified by the rejection rules (``"rejection"``, ``"typical"``). Under
+            coupled sampling it is False: proposers draft as they do greedily, from logits passed through
+            :meth:`perturb`, and skip the call's processors (:meth:`draft_process_fn`).
+        coupling: the call's :class:`~hf_specdec.coupling.CoupledNoise` (coupled sampling only, else ``None``).
     """
 
     def __init__(self, model, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, max_length: int,
@@ -45,6 +52,8 @@ class DecodingState:
         self.batch_size, self.prompt_length = input_ids.shape
         self.max_length = max_length
         self.do_sample = do_sample
+        self.sampling = "rejection" if do_sample else "greedy"
+        self.coupling: CoupledNoise | None = None
         self.cost_model = cost_model
         self.tokens = input_ids.new_zeros((self.batch_size, max_length + 1))  # [B, max_length + 1]
         self.tokens[:, : self.prompt_length] = input_ids
@@ -104,6 +113,42 @@ class DecodingState:
     def process_fn(self):
         """:meth:`process`, or ``None`` when the call has no logits processors (drafts can skip them)."""
         return self.process if self.processors else None
+
+    def draft_process_fn(self):
+        """What a proposer applies to its drafter's logits with each row's prefix: :meth:`process_fn`, or ``None``
+        under coupled sampling (:meth:`perturb` applies the call's warpers there)."""
+        return None if self.coupling is not None else self.process_fn()
+
+    @property
+    def warpers_only(self) -> bool:
+        """Every processor of the call is a warper (:data:`hf_specdec.coupling.WARPERS`): its output at a node does
+        not depend on the ids before it, so all rows' nodes of one depth are processed at once."""
+        return all(is_warper(p) for p in self.processors)
+
+    # ---- coupled sampling
+    def noise(self, width: int) -> torch.Tensor:
+        """``[B, width, V]`` the Gumbel noise of each row's next ``width`` positions: ``[b, j]`` is that of the token
+        at depth ``j + 1`` below the root (drafters drafting depth ``d`` use column ``d - 1``; the target's choice at a
+        node of depth ``d`` uses column ``d``)."""
+        return self.coupling.block([n - self.prompt_length for n in self.lengths], width)
+
+    def perturb(self, logits: torch.Tensor, column, vocab_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """A drafter's logits as coupled sampling drafts from them: ``logits`` unchanged unless the call samples
+        coupled; then float32, through the call's warpers, plus the noise of the drafted position. ``logits`` is
+        ``[B, V]`` or ``[B, k, V]``; ``column`` (see :meth:`noise`) an int (the same position for every ``k``: siblings
+        at one depth) or a ``range`` of ``k`` (one position per ``k``: a block of depths); ``vocab_ids [V']``: the
+        target ids of a drafter's smaller vocabulary. The proposer then takes its greedy path on the result."""
+        if self.coupling is None:
+            return logits
+        columns = list(column) if isinstance(column, range) else [column]
+        g = self.noise(max(columns) + 1)
+        g = g[:, column.start:column.stop] if isinstance(column, range) else g[:, column]
+        if vocab_ids is not None:
+            g = g.index_select(-1, vocab_ids.to(g.device))
+        g = g.to(logits.device)
+        if logits.dim() == 3 and not isinstance(column, range):
+            g = g[:, None]
+        return apply_warpers(self.processors, logits.float()) + g
 
 
 _ROW_INDEPENDENT = {

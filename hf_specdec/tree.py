@@ -56,6 +56,13 @@ class DraftTree:
     _depths: torch.LongTensor | None = field(default=None, repr=False)
     _ancestors: torch.BoolTensor | None = field(default=None, repr=False)
     host_drafts: list[int] | None = field(default=None, repr=False)  # drafts per row, where known on the host
+    host_depth: int | None = field(default=None, repr=False)  # at least the deepest node's depth, known on the host
+
+    def max_depth(self) -> int:
+        """The deepest node's depth (an upper bound, from the host when the proposer said it; else one read)."""
+        if self.host_depth is None:
+            self.host_depth = int(self.depths.max())
+        return self.host_depth
 
     @property
     def batch_size(self) -> int:
@@ -85,7 +92,14 @@ class DraftTree:
             return cls.chain(root, token_rows, counts)
         parent_rows = to_device([[-1] + p + z for p, z in zip(parents, pad)], device).reshape(bsz, width)
         valid = torch.arange(width, device=device)[None, :] <= to_device(counts, device)[:, None]
-        return cls(tokens=torch.cat([root[:, None], token_rows], dim=1), parents=parent_rows, valid=valid)
+        deepest = 0
+        for row in parents:
+            depth = [0]
+            for p in row:
+                depth.append(depth[p] + 1)
+            deepest = max(deepest, max(depth))
+        return cls(tokens=torch.cat([root[:, None], token_rows], dim=1), parents=parent_rows, valid=valid,
+                   host_depth=deepest)
 
     @classmethod
     def chain(cls, root: torch.LongTensor, drafts: torch.LongTensor | None = None,
@@ -124,6 +138,7 @@ class DraftTree:
             probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
         tree = cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
         tree.host_drafts = counts
+        tree.host_depth = max(counts, default=0) if counts is not None else k
         return tree
 
     @property

@@ -13,6 +13,11 @@ One module for every method:
 * **sampling, deterministic drafts** (``draft_probs`` is ``None``: prompt lookup, top-k tree children) — accept
   child ``x`` with probability ``q(x)``; on rejection remove ``x`` from ``q`` and renormalise. This is sampling
   from ``q`` by elimination, so it is exact for any fixed candidate list.
+* **coupled sampling** (``noise`` given: :mod:`hf_specdec.coupling`) — the greedy rule on perturbed scores: the
+  target's choice at a node of depth ``d`` is ``argmax(scores + noise[:, d])``, so every committed token is an exact
+  sample of the target's distribution and the text does not depend on the drafts. When every processor is a warper
+  the walk runs on the device, one depth at a time for all rows (the processors see one node per row and depth, as
+  in plain decoding), with one host read; otherwise on the host with each node's own prefix.
 * **typical acceptance** (Medusa, opt-in and *lossy*, sampling only) — a child ``x`` is acceptable when
   ``q(x) > min(threshold, alpha * exp(-H(q)))``; the deepest acceptable path is kept (ties: the highest summed
   ``log q``), then the next token is sampled from ``q`` at its last node. Outputs are then *not* distributed as
@@ -77,6 +82,8 @@ def accept(
     want_scores: bool = False,
     want_logits: bool = False,
     typical: tuple[float, float] | None = None,
+    noise: torch.Tensor | None = None,
+    warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> AcceptResult:
     """Apply the acceptance rule to a verified tree.
 
@@ -89,9 +96,15 @@ def accept(
             processors; ``None`` when there are none.
         do_sample: sampling or greedy.
         typical: ``(threshold, alpha)`` for Medusa's typical acceptance (lossy; sampling only), or ``None``.
+        noise: coupled sampling: ``[B, W, V]`` Gumbel noise, column ``d`` for the target's choice at depth ``d``
+            (``W > tree.max_depth()``); ``do_sample`` is then False.
+        warp: coupled sampling with warpers only: applies them to ``[n, V]`` scores at once (then ``process`` is
+            not used).
     """
     if typical is not None and not do_sample:
         raise ValueError("typical acceptance is a sampling rule; greedy decoding is always exact.")
+    if noise is not None and (process is None or warp is not None):
+        return _coupled(tree, logits, noise, warp, active, want_scores, want_logits)
     if not do_sample and process is None:
         return _greedy(tree, logits, active, want_scores, want_logits)
     bsz = tree.batch_size
@@ -111,7 +124,8 @@ def accept(
         if typical is not None:
             path, toks, row_scores, row_raw = _typical(tree, b, tokens[b], logits[b], prefixes[b], process, *typical)
         else:
-            path, toks, row_scores, row_raw = _walk(tree, b, tokens[b], logits[b], prefixes[b], process, do_sample)
+            path, toks, row_scores, row_raw = _walk(tree, b, tokens[b], logits[b], prefixes[b], process, do_sample,
+                                                    noise[b] if noise is not None else None)
         paths.append(path)
         new_tokens.append(toks)
         if scores is not None:
@@ -154,6 +168,61 @@ def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scor
     return _result(rows, n, logits, active, want_scores, want_logits, order, chain=False)
 
 
+def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, active: list[bool],
+             want_scores: bool, want_logits: bool) -> AcceptResult:
+    """Coupled sampling's rule on the device (see the module docstring): from the root, one depth at a time for all
+    rows, the target's choice ``argmax(warp(logits at the row's node) + noise[:, d])`` and the child carrying it (the
+    first in node order) if there is one. One host read at the end. On a CPU the walk stops as soon as every row's
+    path has ended (reading a flag is free there)."""
+    bsz, n = tree.tokens.shape
+    depth = tree.max_depth()
+    rows = torch.arange(bsz, device=logits.device)
+    node = torch.zeros(bsz, dtype=torch.long, device=logits.device)
+    going = torch.ones(bsz, dtype=torch.bool, device=logits.device)
+    on_cpu = logits.device.type == "cpu"
+    nodes, choices, scored = [], [], []
+    for d in range(depth + 1):
+        raw = logits[rows, node]  # [B, V] each row's node at depth d
+        scores = warp(raw) if warp is not None else raw
+        choice = (scores + noise[:, d]).argmax(-1)
+        nodes.append(node)
+        choices.append(choice)
+        scored.append((scores, raw))
+        if d == depth:
+            break
+        child = (tree.parents == node[:, None]) & (tree.tokens == choice[:, None]) & tree.valid
+        found = child.any(1) & going
+        node = torch.where(found, child.int().argmax(1), node)
+        going = found
+        if on_cpu and not bool(going.any()):
+            break
+    kept = torch.stack(nodes, 1)  # [B, D'] the path's nodes (repeated past its end)
+    chosen = torch.stack(choices, 1)  # [B, D'] the target's choice at each of them
+    n_acc = (kept[:, 1:] != kept[:, :-1]).sum(1) if kept.shape[1] > 1 else kept.new_zeros(bsz)
+    width = kept.shape[1]
+    proposed = tree.host_drafts if tree.host_drafts is not None else None
+    counted = [] if proposed is not None else [tree.valid.sum(1, keepdim=True) - 1]
+    packed = torch.cat([n_acc[:, None], *counted, kept, chosen], 1).tolist()  # the step's one host read
+    paths, new_tokens = [], []
+    scores = [] if want_scores else None
+    raw = [] if want_logits else None
+    drafts = []
+    for b, row in enumerate(packed):
+        count = row[0] + 1
+        at = 1 if proposed is not None else 2
+        drafts.append(proposed[b] if proposed is not None else row[1])
+        path = row[at:at + count] if active[b] else []
+        toks = row[at + width:at + width + count] if active[b] else []
+        paths.append(path)
+        new_tokens.append(toks)
+        if scores is not None:
+            scores.append([scored[d][0][b] for d in range(len(path))])
+        if raw is not None:
+            raw.append([scored[d][1][b] for d in range(len(path))])
+    return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=drafts,
+                        path_index=kept)
+
+
 def _result(rows: list[list[int]], n: int, logits: torch.Tensor, active: list[bool], want_scores: bool,
             want_logits: bool, order: torch.LongTensor, chain: bool) -> AcceptResult:
     """The :class:`AcceptResult` of :func:`_greedy` from its one read: per row ``[accepted, next token, drafts,
@@ -184,7 +253,7 @@ def _result(rows: list[list[int]], n: int, logits: torch.Tensor, active: list[bo
 
 
 def _walk(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, prefix: torch.LongTensor,
-          process: ScoreFn | None, do_sample: bool):
+          process: ScoreFn | None, do_sample: bool, noise: torch.Tensor | None = None):
     children = tree.children(b)
     node = 0
     path = [0]
@@ -197,7 +266,7 @@ def _walk(tree: DraftTree, b: int, tokens: list[int], logits: torch.Tensor, pref
         row_raw.append(raw)
         kids = children[node]
         if not do_sample:
-            target = int(scores.argmax())
+            target = int((scores if noise is None else scores + noise[len(path) - 1]).argmax())
             nxt_node = next((c for c in kids if tokens[c] == target), None)
             if nxt_node is None:
                 return path, [tokens[i] for i in path[1:]] + [target], row_scores, row_raw

@@ -25,7 +25,7 @@ def test_unknown_method(target):
     with pytest.raises(ValueError, match="Unknown speculative decoding method 'medusa2'.*Available"):
         hf_specdec.decoding_method("medusa2")
     with pytest.raises(ValueError, match="Available: assisted, dflash, eagle3, layerskip, lookahead, medusa, mtp, "
-                                           "prompt_lookup"):
+                                           "plain, prompt_lookup"):
         generate_with_method("nope", target, prompts(1)[0], **GEN)
     with pytest.raises(ValueError, match="Unknown"):
         hf_specdec.custom_generate_path("nope")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import (
     Gemma3ForCausalLM,
@@ -267,7 +267,7 @@ def build_mtp(target_spec: TargetSpec, draft_vocab: int, parallel: int, seed: in
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
             "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa",
             "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp", "mtp_parallel": "mtp", "suffix": "suffix",
-            "lookahead": "lookahead"}
+            "lookahead": "lookahead", "plain": "plain"}
 HYBRID_VARIANTS = ("assisted", "eagle3_tree", "eagle3_chain", "dflash", "medusa_tree", "medusa_chain", "mtp_chain",
                    "mtp_tree", "mtp_parallel")  # the methods with a hybrid= option
 DRIVABLE_ONLY = ("layerskip", "mtp_chain", "mtp_tree", "mtp_parallel")  # need a decoder-layer family (not GPT-2)
@@ -320,6 +320,8 @@ SCHEDULES = st.sampled_from(["constant", "adaptive", "constant"])
 @st.composite
 def method_options(draw, variant: str, spec: TargetSpec):
     """The options of one ``variant`` of :data:`VARIANTS`, its drafter (if any) built for the target of ``spec``."""
+    if variant == "plain":  # no options: the loop without drafts
+        return {}
     opts = {"draft_length_schedule": draw(SCHEDULES)}
     if variant == "prompt_lookup":
         opts.update(prompt_lookup_num_tokens=draw(st.sampled_from([None, 1, 3, 8])),
@@ -457,7 +459,7 @@ def speculative(model, ids, mask, method, opts, entry, **kw):
         kw.update(custom_generate=hf_specdec.custom_generate_path(method), trust_remote_code=True)
     else:
         kw.update(custom_generate=hf_specdec.decoding_method(method))
-    return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, **opts, **kw)
+    return model.generate(input_ids=ids, attention_mask=mask, **{"do_sample": False, **opts, **kw})
 
 
 def eos_ids(choice: str, pick: int, free: torch.LongTensor, prompt_len: int):
@@ -503,6 +505,35 @@ def check_scenario(spec, ids, mask, max_new, eos, eos_pick, call, entry, cache, 
 @given(data=st.data())
 def test_speculative_greedy_is_plain_greedy(variant, data):
     check_scenario(**data.draw(scenarios(variant), label="scenario"))
+
+
+COUPLED_EXAMPLES = 8  # sampled draws per variant for the coupled property
+WARPS = (dict(temperature=1.0, top_k=0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=5),
+         dict(temperature=0.9, repetition_penalty=1.2))
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "plain"])
+@settings(max_examples=COUPLED_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(data=st.data())
+def test_coupled_sampling_is_the_plain_loops(variant, data):
+    """Sampled with coupled sampling (the default), every method's text is the plain loop's for the same seed:
+    any target, batch, options, warpers (a repetition penalty: the host walk), EOS, cache and entry point."""
+    sc = data.draw(scenarios(variant), label="scenario")
+    assume(not past_the_window(sc["spec"], sc["mask"], sc["max_new"]))
+    warp = data.draw(st.sampled_from(WARPS), label="warp")
+    model = build_target(sc["spec"])
+    kw = dict(max_new_tokens=sc["max_new"], do_sample=True, seed=data.draw(st.integers(0, 2 ** 40), label="seed"),
+              eos_token_id=None if sc["eos"] == "none" else sc["eos_pick"] % sc["spec"].vocab, **warp)
+    if sc["cache"] is not None:
+        kw["cache_implementation"] = sc["cache"]
+    if sc["pad"] is not None:
+        kw["pad_token_id"] = sc["pad"]
+    method, opts = sc["call"]
+    ref = speculative(model, sc["ids"], sc["mask"], "plain", {}, sc["entry"], **kw)
+    out = speculative(model, sc["ids"], sc["mask"], method, opts, sc["entry"], **kw)
+    assert out.shape == ref.shape and torch.equal(out, ref), (
+        f"{method} {opts} {warp} differs from the plain loop:\nplain {ref.tolist()}\nspec  {out.tolist()}")
 
 
 def test_every_builtin_method_is_drawn():

@@ -1,4 +1,6 @@
-"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over thousands of draws).
+"""Speculative sampling is distributed exactly as the target's own sampling (chi-square over thousands of draws):
+rejection sampling for every method, coupled sampling (the default) for the plain loop and methods with sampled,
+deterministic and tree drafts (the coupled text of every other method equals the plain loop's: test_coupled.py).
 
 A tiny vocabulary makes the exact distribution of the first few generated tokens computable by enumeration; every
 sample comes from one row of a large batch, so thousands of draws take a few generate calls.
@@ -78,7 +80,7 @@ class TopKTree(Proposer):
         return DraftTree(tokens=tokens, parents=parents, valid=depth_ok)
 
 
-def _sample(model, prompt, custom, **kw):
+def _sample(model, prompt, custom, sampling="rejection", **kw):
     counts = {}
     ids = torch.tensor([prompt] * ROWS)
     stats = []
@@ -86,7 +88,7 @@ def _sample(model, prompt, custom, **kw):
         torch.manual_seed(1000 + call)
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                              max_new_tokens=NEW, eos_token_id=None, pad_token_id=0, custom_generate=custom,
-                             return_dict_in_generate=True, **WARP, **kw)
+                             return_dict_in_generate=True, speculative_sampling=sampling, **WARP, **kw)
         stats.append(out.speculative_stats)
         for row in out.sequences[:, len(prompt):].tolist():
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
@@ -291,3 +293,26 @@ def test_chi_square_detects_a_wrong_distribution(target_and_exact):
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     exact_no_support_check = {s: max(p, 1e-12) for s, p in exact.items()}
     assert _chi2(counts, exact_no_support_check).pvalue < 1e-3
+
+
+@pytest.mark.parametrize("method", ["plain", "eagle3_tree", "assisted", "sampled_tree"])
+def test_coupled_sampling_matches_target(target_and_exact, method):
+    """Coupled (Gumbel-max) sampling: each position an exact sample of the target's processed distribution."""
+    model, exact = target_and_exact
+    if method == "plain":
+        custom = hf_specdec.decoding_method("plain")
+    elif method == "eagle3_tree":
+        custom = hf_specdec.decoding_method("eagle3", drafter=_eagle3_drafter(), tree_top_k=2, tree_depth=3,
+                                            tree_total_tokens=6, draft_length_schedule="constant")
+    elif method == "assisted":
+        drafter = tiny_model("llama", seed=5, vocab=V, hidden=16, scale=1.5)
+        custom = hf_specdec.decoding_method("assisted", drafter=drafter, num_speculative_tokens=2)
+    else:  # drafts that ignore the noise (sampled from a fixed distribution): the text is the same
+        custom = hf_specdec.decoding_method(SampledTree())
+    counts, stats = _sample(model, PROMPT, custom, sampling="coupled")
+    assert all(s["sampling"] == "coupled" for s in stats)
+    if method != "plain":
+        accepted = sum(s["accepted_drafts"] for s in stats)
+        assert 0 < accepted < sum(s["proposed_drafts"] for s in stats)
+    result = _chi2(counts, exact)
+    assert result.pvalue > 1e-3, result

@@ -88,7 +88,9 @@ def next_draft(state, logits: torch.Tensor, prefixes, drafts: list, process, wan
     :meth:`DecodingState.process_fn`, ``None`` without processors; ``prefixes``: each row's committed ids), then
     sampled when the call samples, else the argmax. Returns ``(tokens [B], probs [B, V] or None)``: ``probs`` is the
     distribution the drafts come from (the softmax of the processed logits; the exact sampling rule needs it), given
-    when the call samples or ``want_probs``."""
+    when the call samples or ``want_probs``. Under coupled sampling the draft is the argmax of the logits with the
+    call's warpers and the drafted position's noise (:meth:`DecodingState.perturb`)."""
+    logits = state.perturb(logits, len(drafts))
     if process is not None:
         logits = torch.cat([
             process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])
@@ -150,6 +152,18 @@ class Proposer:
 
     def end(self, state: "DecodingState") -> None:
         """Called once when the generate call finishes."""
+
+
+def draft_vocab_ids(state, drafter, size: int) -> torch.LongTensor | None:
+    """The target ids of ``drafter``'s vocabulary of ``size`` entries (its ``draft_to_target``), for
+    :meth:`DecodingState.perturb`; ``None`` when it drafts in the target's vocabulary or the call is not coupled."""
+    if state.coupling is None or size == state.coupling.vocab:
+        return None
+    cache = state.__dict__.setdefault("_vocab_ids", {})
+    key = (id(drafter), size)
+    if key not in cache:
+        cache[key] = drafter.draft_to_target(torch.arange(size, device=state.device))
+    return cache[key]
 
 
 @dataclass

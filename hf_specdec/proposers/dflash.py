@@ -112,7 +112,8 @@ class DFlashProposer(FeatureDrafterProposer):
         cache_ops.crop(self.cache, end)  # keep the context, drop the block
         logits = self._block_logits(state, hidden[:, 1:])  # [B, width <= size-1, V]
         width = logits.shape[1]
-        process = state.process_fn()
+        logits = state.perturb(logits, range(width))  # coupled sampling: each depth under its position's noise
+        process = state.draft_process_fn()
         drafts, probs_all, kept, predicted, best, confidences = [], [], [], [], None, []
         greedy = process is None and not state.do_sample
         if greedy:  # on the device; with the adaptive rule, the confidences come back in one read

@@ -160,7 +160,7 @@ class DraftModelProposer(Proposer):
         n_new = tokens.shape[1]
         causal = torch.ones(n_new, n_new, dtype=torch.bool, device=state.device).tril()
         attends = causal[None] & new_valid[:, None, :]
-        process = state.process_fn()
+        process = state.draft_process_fn()
         prefixes = [state.prefix(b) for b in range(bsz)]
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs = [], []

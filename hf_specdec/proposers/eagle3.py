@@ -29,6 +29,7 @@ from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..syncs import to_device
 from ..tree import DraftTree, build_attention_mask
+from .base import draft_vocab_ids
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
 
@@ -233,7 +234,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         own = self._own(1).expand(bsz, 1, 1)
         self._rotary = self._rotary_table(state.root_positions[:, None] + torch.arange(k - 1, device=state.device))
         for i in range(k):
-            scores = logits.float()
+            scores = state.perturb(logits, i, draft_vocab_ids(state, self.drafter, logits.shape[-1])).float()
             p = torch.softmax(scores, dim=-1) if state.do_sample or self.adaptive else None
             if state.do_sample:
                 pick = torch.multinomial(p, 1)[:, 0]
@@ -275,6 +276,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
         if max_depth <= 0:
             return None
         depth, digits, keyed = self._candidates(max_depth)
+        vocab_ids = draft_vocab_ids(state, self.drafter, logits.shape[-1])
+        logits = state.perturb(logits, 0, vocab_ids)  # coupled sampling: candidates under the positions' noise
         score, tok = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [B, k] depth 1: the frontier
         scores, toks, frontier_idx, best = [score], [tok], [], [score[:, :1]]
         key = digits[0].expand(bsz, -1) if keyed else None  # the frontier's keys
@@ -292,6 +295,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             step_logits, step_hidden, seen = self._step(state, self.drafter.draft_to_target(tok), frontier_hidden,
                                                         row_positions[d - 1], visible, own, step=d)
             # children of every frontier node
+            step_logits = state.perturb(step_logits, d, vocab_ids)
             if step_logits.dtype != torch.float32:
                 step_logits = step_logits.float()
             child_score, child_tok = torch.log_softmax(step_logits, -1).topk(top_k, dim=-1)  # [B, k, k]
@@ -415,7 +419,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 ancestors[:, :, 0] = True  # a padding node below the root, as the tree's own rule has it
         return DraftTree(tokens=torch.cat([root[:, None], tokens.to(out)], 1),
                          parents=torch.cat([root.new_full((bsz, 1), -1), parents.to(out)], 1), valid=valid,
-                         _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
+                         host_depth=self._depth_of(score.shape[1]), _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
 
     def _spans(self, candidates: int, device) -> torch.Tensor:
         """``[C]`` the key range of each candidate's subtree, ``(top_k + 1) ** (depth of the tree - its depth)``

@@ -165,7 +165,9 @@ def _merge(state, tree: DraftTree | None, drafts: list[RowDraft | None]) -> Draf
         parents = (torch.arange(width, device=state.device) - 1).expand(state.batch_size, width)
     else:
         parents = torch.where(use, pad(lookup.parents), pad(tree.parents))
-    merged = DraftTree(tokens=tokens, parents=parents, valid=valid, is_chain=chain)
+    depths = [t.host_depth for t in (tree, lookup)]
+    merged = DraftTree(tokens=tokens, parents=parents, valid=valid, is_chain=chain,
+                       host_depth=None if None in depths else max(depths))
     if tree.draft_probs is not None:  # a deterministic draft is a point mass
         vocab = tree.draft_probs.shape[-1]
         probs = torch.nn.functional.pad(tree.draft_probs, (0, 0, 0, width - tree.num_nodes))

@@ -174,7 +174,7 @@ class LayerSkipProposer(Proposer):
         layout, cache, stack = state.layout, state.cache, self.stack
         kv_width = cache.get_max_length() if cache_ops.is_static(cache) else None
         roots = state.roots()
-        process = state.process_fn()
+        process = state.draft_process_fn()
         prefixes = [state.prefix(b) for b in range(bsz)] if process is not None else None
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs, exits = [], [], []

@@ -36,6 +36,7 @@ from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..syncs import to_device
 from ..tree import DraftTree
+from .base import draft_vocab_ids
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
 
@@ -155,6 +156,7 @@ class MedusaProposer(FeatureDrafterProposer):
         if depth <= 0:
             return None
         logits = self.drafter(self.last, heads=depth).float()  # [B, D, Vd]
+        logits = state.perturb(logits, range(depth), draft_vocab_ids(state, self.drafter, logits.shape[-1]))
         k = min(self.top_k, logits.shape[-1])
         top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [B, D, k]
         head, rank, ancestors = self._index(depth, k)
@@ -251,7 +253,8 @@ class MedusaProposer(FeatureDrafterProposer):
             return DraftTree.chain(root, tokens, [len(nodes) for nodes in rows])
         valid = torch.arange(width + 1, device=state.device)[None, :] <= packed[:, -1:]
         parents = torch.cat([root.new_full((root.shape[0], 1), -1), packed[:, width:2 * width]], 1)
-        return DraftTree(tokens=torch.cat([root[:, None], tokens], 1), parents=parents, valid=valid)
+        return DraftTree(tokens=torch.cat([root[:, None], tokens], 1), parents=parents, valid=valid,
+                         host_depth=max(len(self.choices[p]) for nodes in rows for p in nodes))
 
 
 def _choices_arg(opts, device):

@@ -36,6 +36,7 @@ from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..tree import DraftTree
 from .eagle3 import Eagle3Proposer, default_tree
+from .base import draft_vocab_ids
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
 
@@ -102,6 +103,7 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
         if fed > self.BACKLOG:
             start = time.perf_counter()
         logits = self.drafter.logits(normed[:, :k]).float()  # [B, k, Vd]
+        logits = state.perturb(logits, range(k), draft_vocab_ids(state, self.drafter, logits.shape[-1]))
         probs = torch.softmax(logits, dim=-1)
         picks = torch.multinomial(probs.flatten(0, 1), 1).view(probs.shape[:2]) if state.do_sample \
             else logits.argmax(-1)
