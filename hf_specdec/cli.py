@@ -258,6 +258,8 @@ def _generate(args) -> int:
         drafter = str(shipped) if shipped is not None else None
     if drafter:
         opts["drafter"] = drafter
+    if args.seed is not None:
+        opts["seed"] = args.seed
     from transformers import TextStreamer
 
     from .entry import generate_with_method
@@ -267,7 +269,8 @@ def _generate(args) -> int:
                                return_dict_in_generate=True, **opts)
     s = out.speculative_stats
     print(f"\n[{args.method}] {s['committed_tokens'] + 1} tokens, acceptance length {s['acceptance_length']:.2f}, "
-          f"{s['target_forward_passes']} target forwards, {s['total_seconds']:.2f} s", file=sys.stderr)
+          f"{s['target_forward_passes']} target forwards, {s['total_seconds']:.2f} s"
+          + (f", {s['sampling']} sampling, seed {s['seed']}" if s["seed"] is not None else ""), file=sys.stderr)
     return 0
 
 
@@ -377,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate at most")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help=f"the model's dtype; {CPU_HELP}")
     p.add_argument("--sample", action="store_true", help="sample (do_sample=True) instead of greedy decoding")
+    p.add_argument("--seed", type=int, default=None,
+                   help="with --sample: the call's seed (coupled sampling: the same text for every method; "
+                        "default: a fresh one, printed)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=_generate)
 
