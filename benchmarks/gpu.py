@@ -403,9 +403,33 @@ def markdown(result: dict) -> str:
     curve = result["cost_curve_ms"]
     points = sorted(curve.items(), key=lambda kv: int(kv[0]))
     lines += ["", "Target forward c(q) (ms, q new tokens): " + ", ".join(f"{q}: {ms:.2f}" for q, ms in points)]
+    if result.get("noise_ms"):
+        lines += ["", "Coupled sampling's noise, a fresh block (ms): " + ", ".join(
+            f"{k}: {v:.3f}" for k, v in result["noise_ms"].items())]
     if result.get("skipped"):
         lines += ["", "Skipped (past the time limit): " + ", ".join(result["skipped"])]
     return "\n".join(lines).lstrip("\n")
+
+
+def noise_cost(device, vocab: int, reps: int = 20) -> dict:
+    """Coupled sampling's noise (:class:`hf_specdec.coupling.CoupledNoise`) at the target's vocabulary: ms to make
+    a fresh block of ``width`` positions for ``batch`` rows (what a step costs is about one position per committed
+    token per row: the block keeps the positions it made), median of ``reps``."""
+    from hf_specdec.coupling import CoupledNoise
+
+    out = {}
+    for batch, width in ((1, 1), (1, 8), (8, 1), (8, 8)):
+        times = []
+        for r in range(reps + 1):
+            noise = CoupledNoise(seed=r, batch_size=batch, vocab=vocab, device=device)
+            _sync(device)
+            t0 = time.perf_counter()
+            noise.block([0] * batch, width)
+            _sync(device)
+            if r:  # the first one builds the vocabulary's keys
+                times.append((time.perf_counter() - t0) * 1e3)
+        out[f"batch {batch}, {width} positions"] = statistics.median(times)
+    return out
 
 
 def _machine(device) -> dict:
@@ -582,6 +606,7 @@ def main(argv=None) -> int:
                    "drafter_params": {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()},
                    "greedy_is_permutation": perm_ok},
         "cost_curve_ms": {q: ms for q, ms in curve.items()},
+        "noise_ms": noise_cost(device, config.vocab_size),
         "rows": rows,
         "skipped": skipped,
         "seconds": time.perf_counter() - started,
