@@ -264,7 +264,6 @@ def speculative_decode(
         stats.sampling = "typical" if proposer.typical_acceptance else speculative_sampling or "coupled"
         stats.seed = call_seed(seed, generator)
     state.do_sample = stats.sampling in ("rejection", "typical")
-    state.sampling = stats.sampling
     if model.dtype in HALF:
         stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(asked)
     state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),

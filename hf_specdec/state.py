@@ -35,8 +35,6 @@ class DecodingState:
             :meth:`Proposer.commit`; lookahead decoding harvests n-grams from the nodes that were not kept).
         cost_model: measured target forward costs (:class:`~hf_specdec.costs.ForwardCostModel`).
         processors: the call's logits processors and warpers (apply them with :meth:`process`).
-        sampling: ``"greedy"``, ``"coupled"`` (Gumbel-max coupling, :mod:`hf_specdec.coupling`), ``"rejection"``
-            (exact speculative sampling) or ``"typical"`` (Medusa's lossy rule).
         do_sample: drafts are *sampled* and verified by the rejection rules (``"rejection"``, ``"typical"``). Under
             coupled sampling it is False: proposers draft as they do greedily, from logits passed through
             :meth:`perturb`, and skip the call's processors (:meth:`draft_process_fn`).
@@ -52,8 +50,8 @@ class DecodingState:
         self.batch_size, self.prompt_length = input_ids.shape
         self.max_length = max_length
         self.do_sample = do_sample
-        self.sampling = "rejection" if do_sample else "greedy"
         self.coupling: CoupledNoise | None = None
+        self.vocab_ids: dict = {}  # (drafter id, size) -> its vocabulary's target ids (proposers.base.draft_vocab_ids)
         self.cost_model = cost_model
         self.tokens = input_ids.new_zeros((self.batch_size, max_length + 1))  # [B, max_length + 1]
         self.tokens[:, : self.prompt_length] = input_ids

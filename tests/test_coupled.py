@@ -116,9 +116,19 @@ def test_greedy_ignores_the_seed(target):
     assert out.tolist() == ref.tolist()
 
 
-def test_bad_sampling_option_names_the_choices(target):
-    with pytest.raises(ValueError, match="coupled"):
+def test_bad_sampling_options_name_the_cause(target):
+    with pytest.raises(ValueError, match="speculative_sampling must be 'coupled' or 'rejection', got 'gumbel'"):
         hf_specdec.decoding_method("plain", speculative_sampling="gumbel")
+    with pytest.raises(ValueError, match="seed must be int, got str"):
+        hf_specdec.decoding_method("plain", seed="7")
+    with pytest.raises(ValueError, match="generator must be Generator, got int"):
+        hf_specdec.decoding_method("plain", generator=7)
+    from test_syncs import _medusa
+
+    typical = hf_specdec.decoding_method("medusa", drafter=_medusa(), acceptance="typical")
+    with pytest.raises(ValueError, match="typical.*does not combine with speculative_sampling='coupled'"):
+        _run(target, typical, 1, speculative_sampling="coupled")
+    assert _run(target, typical, 1)[1]["sampling"] == "typical"  # its own rule by default
 
 
 # ---- the noise

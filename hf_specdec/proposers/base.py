@@ -159,11 +159,10 @@ def draft_vocab_ids(state, drafter, size: int) -> torch.LongTensor | None:
     :meth:`DecodingState.perturb`; ``None`` when it drafts in the target's vocabulary or the call is not coupled."""
     if state.coupling is None or size == state.coupling.vocab:
         return None
-    cache = state.__dict__.setdefault("_vocab_ids", {})
     key = (id(drafter), size)
-    if key not in cache:
-        cache[key] = drafter.draft_to_target(torch.arange(size, device=state.device))
-    return cache[key]
+    if key not in state.vocab_ids:
+        state.vocab_ids[key] = drafter.draft_to_target(torch.arange(size, device=state.device))
+    return state.vocab_ids[key]
 
 
 @dataclass
