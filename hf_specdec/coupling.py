@@ -95,8 +95,7 @@ def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
         x = _fmix_(flat[i:i + rows, None] ^ _vocab_keys(vocab, keys.device))
         u = x.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(2.0 ** -23)
         parts.append(u.log_().neg_().log_().neg_())
-    out = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0, vocab)
-    return out.view(*keys.shape, vocab)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*keys.shape, vocab)
 
 
 def call_seed(seed: int | None = None, generator: torch.Generator | None = None) -> int:

@@ -230,10 +230,10 @@ def speculative_decode(
     call's seed (default: one draw from torch's global generator; ``speculative_stats["seed"]`` reports it).
 
     Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
-    ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half precision, whether a verification here gives the bits of the
-    target's own one-token steps (probed once per model, dtype and rounding by
-    :meth:`~hf_specdec.runners.TargetRunner.exact_bits`; ``False`` for a batch of several rows, whose verification is
-    not made to round as one row's; ``None`` in float32, where the output is identical anyway).
+    ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half
+    precision, whether a verification here gives the bits of the target's own one-token steps (probed once per model,
+    dtype and rounding by :meth:`~hf_specdec.runners.TargetRunner.exact_bits`; ``False`` for a batch of several rows,
+    whose verification is not made to round as one row's; ``None`` in float32, where the output is identical anyway).
     """
     t_start = time.perf_counter()
     runner = runner if runner is not None else runner_for(model)
@@ -321,6 +321,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
 
     proposer.begin(state)
     process = state.process_fn()
+    # coupled sampling with warpers only: verified on the device, the warpers applied to a depth's nodes at once
+    coupled_warp = functools.partial(apply_warpers, state.processors) if state.warpers_only else None
     timer = StepTimer(state.device)
     # time only the tree sizes this call can use: a larger calibration forward would run past max_length, past the
     # position table of a model with absolute positions (GPT-2) when the prompt is close to its context window
@@ -358,8 +360,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         timer.stop(tree.num_nodes if tree.resume is None else None)
         state.tree_logits = logits
         noise = state.noise(tree.max_depth() + 1) if state.coupling is not None else None
-        warp = functools.partial(apply_warpers, state.processors) if noise is not None and state.warpers_only \
-            else None
+        warp = coupled_warp if noise is not None else None
         # the rule on the device, without the prefixes: greedy without processors, coupled with warpers only
         on_device = (not state.do_sample and process is None) or warp is not None
         prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]

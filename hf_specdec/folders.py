@@ -184,8 +184,8 @@ DOC_END = "<!-- end of the generated block -->"
 def render_doc_block(method: str | registry.Method) -> str:
     """The generated block of ``docs/methods/<method>.md``: how to call the method, its drafter, its options."""
     m = method if isinstance(method, registry.Method) else registry.get(method)
-    # in bench method strings "plain" is stock generate(): a method of that name is benched by a shorthand
-    bench_name = next(iter(m.shorthands), m.name) if m.name == "plain" else m.name
+    # a reference method (plain) is benched by its shorthand: the bench's own "plain" is stock generate()
+    bench_name = next(iter(m.shorthands), m.name) if m.reference else m.name
     lines = [DOC_BEGIN, "", f"Call it as `custom_generate=\"hf_specdec/{m.name}\"` (with `trust_remote_code=True`), "
              f"`custom_generate=hf_specdec.decoding_method(\"{m.name}\")`, `hf-specdec generate --method {m.name}` or "
              f"`hf-specdec bench --methods {bench_name}`."]

@@ -11,7 +11,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from .cache import CacheLayout
 from .costs import ForwardCostModel
-from .coupling import CoupledNoise, apply_warpers, is_warper
+from .coupling import WARPERS, CoupledNoise, apply_warpers, is_warper
 from .syncs import to_device
 
 
@@ -138,24 +138,22 @@ class DecodingState:
         target ids of a drafter's smaller vocabulary. The proposer then takes its greedy path on the result."""
         if self.coupling is None:
             return logits
-        columns = list(column) if isinstance(column, range) else [column]
-        g = self.noise(max(columns) + 1)
-        g = g[:, column.start:column.stop] if isinstance(column, range) else g[:, column]
+        block = isinstance(column, range)
+        g = self.noise(column.stop if block else column + 1)
+        g = g[:, column.start:column.stop] if block else g[:, column]
         if vocab_ids is not None:
             g = g.index_select(-1, vocab_ids.to(g.device))
         g = g.to(logits.device)
-        if logits.dim() == 3 and not isinstance(column, range):
+        if logits.dim() == 3 and not block:
             g = g[:, None]
         return apply_warpers(self.processors, logits.float()) + g
 
 
-_ROW_INDEPENDENT = {
-    "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper",
-    "EpsilonLogitsWarper", "EtaLogitsWarper", "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor",
-    "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor",
-    "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor", "ForcedBOSTokenLogitsProcessor",
-    "ForcedEOSTokenLogitsProcessor", "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty",
-    "LogitNormalization", "TopHLogitsWarper",
+_ROW_INDEPENDENT = WARPERS | {  # the warpers, and processors that read the row's own ids
+    "NoRepeatNGramLogitsProcessor", "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor",
+    "MinLengthLogitsProcessor", "MinNewTokensLengthLogitsProcessor", "SuppressTokensLogitsProcessor",
+    "SuppressTokensAtBeginLogitsProcessor", "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor",
+    "ExponentialDecayLengthPenalty",
 }
 
 

@@ -200,16 +200,16 @@ def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, a
     chosen = torch.stack(choices, 1)  # [B, D'] the target's choice at each of them
     n_acc = (kept[:, 1:] != kept[:, :-1]).sum(1) if kept.shape[1] > 1 else kept.new_zeros(bsz)
     width = kept.shape[1]
-    proposed = tree.host_drafts if tree.host_drafts is not None else None
+    proposed = tree.host_drafts
     counted = [] if proposed is not None else [tree.valid.sum(1, keepdim=True) - 1]
     packed = torch.cat([n_acc[:, None], *counted, kept, chosen], 1).tolist()  # the step's one host read
+    at = 1 + len(counted)  # where the path's nodes start
     paths, new_tokens = [], []
     scores = [] if want_scores else None
     raw = [] if want_logits else None
     drafts = []
     for b, row in enumerate(packed):
         count = row[0] + 1
-        at = 1 if proposed is not None else 2
         drafts.append(proposed[b] if proposed is not None else row[1])
         path = row[at:at + count] if active[b] else []
         toks = row[at + width:at + width + count] if active[b] else []

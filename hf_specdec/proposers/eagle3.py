@@ -419,7 +419,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 ancestors[:, :, 0] = True  # a padding node below the root, as the tree's own rule has it
         return DraftTree(tokens=torch.cat([root[:, None], tokens.to(out)], 1),
                          parents=torch.cat([root.new_full((bsz, 1), -1), parents.to(out)], 1), valid=valid,
-                         host_depth=self._depth_of(score.shape[1]), _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
+                         host_depth=self._depth_of(score.shape[1]),
+                         _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
 
     def _spans(self, candidates: int, device) -> torch.Tensor:
         """``[C]`` the key range of each candidate's subtree, ``(top_k + 1) ** (depth of the tree - its depth)``
