@@ -203,10 +203,13 @@ def check_fits(config, target_config, source) -> None:
             raise ConversionError(f"{source}: {err}") from err
 
 
-def load_target_config(target: str | os.PathLike | None, revision: str | None = None):
-    """The target's config (a path or Hub id; only config.json is fetched), or ``None``."""
+def load_target_config(target, revision: str | None = None):
+    """The target's config (a path or Hub id: only config.json is fetched; a loaded model: its config; a config as
+    it is), or ``None``."""
     if target is None:
         return None
+    if not isinstance(target, (str, os.PathLike)):
+        return getattr(target, "config", target)
     from transformers import AutoConfig
 
     folder = resolve_source(target, revision=None, allow_patterns=["config.json"]) if not Path(

@@ -8,8 +8,15 @@ Layouts read as published:
   ``rope_parameters``); safetensors keys ``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.*`` with q/k norms. The older
   5-layer / 5-tap and newer 6-layer / 8-tap revisions differ only in these fields. Causal variants: ``is_causal``
   (top level) or ``dflash_config.causal``; otherwise layers are bidirectional.
-* **muse_glimmer** (transformers' native ``MuseGlimmerAssistantModel``): ``encoder.fc`` / ``encoder.output_norm_enc``
-  instead of ``fc`` / ``hidden_norm``, fields at the top level.
+* **muse_glimmer** (transformers' native ``MuseGlimmerAssistantModel``, saved with its ``save_pretrained`` or given
+  as the loaded module): ``encoder.fc`` / ``encoder.output_norm_enc`` instead of ``fc`` / ``hidden_norm``
+  (:data:`MUSE_GLIMMER_NAMES`), fields at the top level, the fields it leaves out taken from transformers'
+  ``MuseGlimmerAssistantConfig`` defaults (every layer ``sliding_attention``, ``sliding_window`` 2048, RoPE theta
+  500000). Its config has no ``vocab_size`` (the target's embeddings and LM head are used): it is the target's, so
+  converting needs ``target=``. Its sliding layers are bidirectional, and transformers' mask for them
+  (``create_bidirectional_sliding_window_mask``, the sdpa / eager / flex paths) lets a query see keys with
+  ``|q - k| <= sliding_window``, one more on each side than hf_specdec's (and the z-lab / speculators / flash-attention)
+  convention ``|q - k| < sliding_window``: the converted config records ``sliding_window + 1``, the same keys.
 * **speculators** (vLLM ``DFlashSpeculatorConfig``, ``speculators_model_type: "dflash"``): the Qwen3 layer fields in
   ``transformer_layer_config``; ``block_size``, ``mask_token_id`` and ``aux_hidden_state_layer_ids`` at the top level,
   the ids counted as HF ``hidden_states`` indices (z-lab's layer-output id + 1, as vLLM's ``update_dflash`` undoes);
@@ -26,6 +33,7 @@ from __future__ import annotations
 import os
 
 import torch
+import transformers
 
 from .common import (
     ConversionError,
@@ -43,6 +51,10 @@ from .common import (
 )
 
 LAYOUTS = ("zlab", "muse_glimmer", "speculators")
+# transformers' MuseGlimmerAssistantModel names -> this drafter's (the one place the mapping is written)
+MUSE_GLIMMER_NAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+# transformers' own DFlash drafter classes, accepted as objects and converted in memory (:func:`as_dflash_drafter`)
+NATIVE_DRAFTERS = tuple(c for c in (getattr(transformers, "MuseGlimmerAssistantModel", None),) if c is not None)
 _FILES = ["config.json", "*.safetensors", "*.safetensors.index.json"]
 _UNSUPPORTED = ("conv_kernel_size", "selector_rank", "attention_sink_bias", "output_multiplier")
 
@@ -79,6 +91,44 @@ def _from_speculators(cfg: dict) -> dict:
     return {**layer, "block_size": cfg.get("block_size"), "target_hidden_size": cfg.get("target_hidden_size"),
             "dflash_config": {"mask_token_id": cfg.get("mask_token_id"), "target_layer_ids": [i - 1 for i in ids]},
             "_causal_sliding": any(sliding) and not cfg.get("sliding_window_non_causal", False)}
+
+
+def _from_muse_glimmer(cfg: dict, target_cfg) -> dict:
+    """A Muse Glimmer assistant config with transformers' defaults for the fields it leaves out, and the target's
+    vocabulary (its config has none: the drafter reads out with the target's LM head)."""
+    native = getattr(transformers, "MuseGlimmerAssistantConfig", None)
+    if native is not None:
+        try:
+            cfg = {**cfg, **native.from_dict(cfg).to_dict()}
+        except Exception as err:  # transformers' strict config checks (several error types)
+            raise ConversionError(f"transformers does not read this Muse Glimmer assistant config: {err}") from err
+    if cfg.get("vocab_size") is None:
+        if target_cfg is None:
+            raise ConversionError("A Muse Glimmer assistant's config has no vocab_size (it uses the target's "
+                                  "embeddings and LM head): pass the target (target= or --target; verifier= or "
+                                  "--verifier when exporting): the model, its folder or Hub id.")
+        cfg = {**cfg, "vocab_size": target_cfg.get_text_config().vocab_size}
+    if "sliding_attention" in (cfg.get("layer_types") or []) and cfg.get("sliding_window"):
+        # transformers' bidirectional sliding mask: |q - k| <= W; ours: |q - k| < sliding_window
+        cfg = {**cfg, "sliding_window": cfg["sliding_window"] + 1}
+    return cfg
+
+
+def rename_published(tensors: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """A published layout's tensor names -> this drafter's (``model.`` prefix dropped; Muse Glimmer's
+    :data:`MUSE_GLIMMER_NAMES`); the embeddings / LM head a checkpoint may carry are left out (the target's are
+    used), as are rotary tables."""
+    out = {}
+    for key, value in tensors.items():
+        key = key[len("model."):] if key.startswith("model.") else key
+        if layout == "muse_glimmer":
+            for old, new in MUSE_GLIMMER_NAMES.items():
+                if key.startswith(old):
+                    key = new + key[len(old):]
+        if key in ("embed_tokens.weight", "lm_head.weight") or key.startswith("rotary_emb."):
+            continue
+        out[key] = value
+    return out
 
 
 def config_from_published(cfg: dict, layout: str) -> dict:
@@ -139,48 +189,72 @@ def expected_shapes(c) -> dict[str, tuple]:
     return shapes
 
 
-def convert_dflash(source: str | os.PathLike, out: str | os.PathLike | None = None, revision: str | None = None,
-                   target: str | os.PathLike | None = None, layout: str = "auto", dtype: torch.dtype | None = None):
-    """Convert a published DFlash drafter (Hub repo id or folder); returns the ``DFlashDrafter`` (saved to ``out``)."""
+def convert_dflash(source, out: str | os.PathLike | None = None, revision: str | None = None, target=None,
+                   layout: str = "auto", dtype: torch.dtype | None = None):
+    """Convert a published DFlash drafter; returns the ``DFlashDrafter`` (saved to ``out``).
+
+    ``source``: a Hub repo id or folder in one of :data:`LAYOUTS`, or a loaded module of one (transformers'
+    ``MuseGlimmerAssistantModel``: its config and state dict are read, and the drafter shares its weight tensors
+    unless ``dtype`` asks for another dtype). ``target``: the target model, its config, folder or Hub id (a Muse
+    Glimmer assistant needs it for the vocabulary size; any target is checked to fit)."""
     from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
 
-    folder = resolve_source(source, revision, _FILES)
-    cfg = read_config(folder)
+    module = isinstance(source, torch.nn.Module)
+    if module:
+        if not hasattr(source, "config"):
+            raise ConversionError(f"{type(source).__name__} has no config: not a published DFlash drafter.")
+        cfg = source.config.to_dict()
+        name = getattr(source, "name_or_path", "") or type(source).__name__
+    else:
+        folder = resolve_source(source, revision, _FILES)
+        cfg = read_config(folder)
+        name = str(source)
     layout = detect_layout(cfg) if layout == "auto" else layout
     if layout not in LAYOUTS:
         raise ConversionError(f"Unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}.")
-    fields = config_from_published(cfg, layout)
     target_cfg = load_target_config(target)
+    if layout == "muse_glimmer":
+        cfg = _from_muse_glimmer(cfg, target_cfg)
+    fields = config_from_published(cfg, layout)
     if target_cfg is not None:
         fields["num_target_layers"] = fields["num_target_layers"] or target_cfg.get_text_config().num_hidden_layers
     recorded = ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     try:
-        config = DFlashConfig(**fields, target_model=recorded or str(source))
+        config = DFlashConfig(**fields, target_model=recorded or name)
     except ValueError as err:
-        raise ConversionError(f"{source}: {err}") from err
+        raise ConversionError(f"{name}: {err}") from err
     if target_cfg is not None:
-        config.check_target(target_cfg)
-    tensors = load_weights(folder)
-    if layout == "muse_glimmer":
-        tensors = {k.replace("encoder.fc.", "fc.").replace("encoder.output_norm_enc.", "hidden_norm."): v
-                   for k, v in tensors.items()}
-    tensors = {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
-    for extra in ("embed_tokens.weight", "lm_head.weight"):
-        tensors.pop(extra, None)  # the target's are used
+        try:
+            config.check_target(target_cfg)
+        except ValueError as err:
+            raise ConversionError(f"{name}: {err}") from err
+    tensors = rename_published(dict(source.state_dict()) if module else load_weights(folder), layout)
     expected = expected_shapes(config)
-    check_shapes(tensors, expected, f"{source} ({layout} layout)")
+    check_shapes(tensors, expected, f"{name} ({layout} layout)")
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
-        raise ConversionError(f"{source}: unexpected tensors {unknown[:8]} for a DFlash drafter.")
+        raise ConversionError(f"{name}: unexpected tensors {unknown[:8]} for a DFlash drafter.")
     weight_dtype = dtype or tensors["fc.weight"].dtype
-    drafter = DFlashDrafter(config)
-    missing, unexpected = drafter.load_state_dict({k: v.to(weight_dtype) for k, v in tensors.items()}, strict=False)
+    with torch.device("meta"):  # no initialisation: every weight is assigned (a module's tensors are shared)
+        drafter = DFlashDrafter(config)
+    missing, unexpected = drafter.load_state_dict({k: v.detach().to(weight_dtype) for k, v in tensors.items()},
+                                                  strict=False, assign=True)
     if missing or unexpected:
-        raise ConversionError(f"{source}: weights do not fit (missing {missing}, unexpected {unexpected}).")
-    drafter = drafter.to(weight_dtype).eval()
+        raise ConversionError(f"{name}: weights do not fit (missing {missing}, unexpected {unexpected}).")
+    drafter = drafter.eval()
     if out is not None:
         drafter.save_pretrained(str(out))
     return drafter
+
+
+def as_dflash_drafter(drafter, target=None):
+    """``drafter`` as a ``DFlashDrafter``: one as it is; transformers' own (:data:`NATIVE_DRAFTERS`) converted in
+    memory with :func:`convert_dflash`, sharing its weights (cheap enough for every ``generate`` call)."""
+    from hf_specdec.modeling.dflash import DFlashDrafter
+
+    if isinstance(drafter, DFlashDrafter):
+        return drafter
+    return convert_dflash(drafter, target=target)
 
 
 # ------------------------------------------------------------------------------------------------------ export
@@ -203,6 +277,8 @@ def export_dflash(drafter_or_path, out, verifier=None, speculative_tokens: int |
     """
     from hf_specdec.modeling.dflash import DFlashDrafter
 
+    if isinstance(drafter_or_path, NATIVE_DRAFTERS):
+        drafter_or_path = convert_dflash(drafter_or_path, target=verifier)
     drafter = drafter_to_export(drafter_or_path, DFlashDrafter, convert_dflash)
     c = drafter.config
     if c.causal:

@@ -47,6 +47,16 @@ def generate_arguments_in_flight():
     return (model, kwargs) if model is not None and isinstance(kwargs, dict) else None
 
 
+def tokenizers_in_flight() -> dict:
+    """``{"tokenizer": ..., "assistant_tokenizer": ...}`` (those given) while ``generate()`` sorts its keyword
+    arguments: it pops them before it reads a decoding callable's signature and never hands them to the callable."""
+    frame = _frame(_SORTING)
+    taken = frame.f_locals.get("generation_mode_kwargs") if frame is not None else None
+    if not isinstance(taken, dict):
+        return {}
+    return {k: taken[k] for k in ("tokenizer", "assistant_tokenizer") if taken.get(k) is not None}
+
+
 def unused_generate_arguments(model, kwargs: dict) -> list[str]:
     """The names in ``kwargs`` (``generate()`` keyword arguments) that are neither generation settings nor inputs
     the model takes: what transformers would reject as "not used by the model" (typos, a method option misspelt)."""

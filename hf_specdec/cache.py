@@ -54,6 +54,7 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
 
 
 _EDITABLE = {
+    "DummyLayer",  # a layer that reads another layer's KV (Gemma 3n / Gemma 4 KV sharing): it holds nothing
     DynamicLayer.__name__,
     DynamicSlidingWindowLayer.__name__,
     StaticLayer.__name__,

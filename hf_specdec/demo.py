@@ -124,7 +124,7 @@ def available_demo_methods(model, drafters: dict | None = None, only: list[str] 
         raise ValueError(f"No method takes a drafter named {', '.join(sorted(unknown))}.")
     methods = {}
     for m in registry.methods():
-        if (only is not None and m.name not in only) or (only is None and m.reference):
+        if (only is not None and m.name not in only) or (only is None and (m.reference or m.router)):
             continue
         if m.drafter is None:
             methods[m.name] = {}

@@ -19,6 +19,7 @@ The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :fu
 from __future__ import annotations
 
 import inspect
+import threading
 from typing import Callable
 
 import torch
@@ -26,7 +27,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 
 from . import registry
 from .engine import speculative_decode
-from ._transformers_frames import calling_generate_arguments, generate_arguments_in_flight, unused_generate_arguments
+from ._transformers_frames import (calling_generate_arguments, generate_arguments_in_flight, tokenizers_in_flight,
+                                   unused_generate_arguments)
 from .folders import custom_generate_path
 from .proposers import Proposer
 from .registry import available_methods, build_proposer
@@ -35,14 +37,35 @@ from .runners import runner_for
 __all__ = ["available_methods", "build_proposer", "custom_generate_path", "decoding_method", "generate_with_method"]
 
 
-def _take_options(kwargs: dict, model=None) -> dict:
+SHARED_WITH_GENERATE = ("tokenizer",)  # generate()'s own arguments (stop strings) that a method may read too
+
+
+def _take_options(kwargs: dict, model=None, method: str | None = None) -> dict:
     """Pop every method option (of any registered method) that was given, i.e. is not ``None``; with ``model``, also
-    every argument that neither transformers nor the model takes (a misspelt option: the method's record names it)."""
-    names = set(registry.all_option_names())
+    every argument that neither transformers nor the model takes (a misspelt option: the method's record names it).
+    An argument of ``generate()`` itself (:data:`SHARED_WITH_GENERATE`) stays in ``kwargs`` and is copied for
+    ``method`` when it has an option of that name."""
+    names = set(registry.all_option_names()) - set(SHARED_WITH_GENERATE)
     if model is not None:
         names |= set(unused_generate_arguments(model, kwargs))
     taken = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+    if method is not None and isinstance(method, str):
+        own = set(registry.get(method).option_names)
+        taken.update({k: kwargs[k] for k in SHARED_WITH_GENERATE if k in own and k in kwargs})
     return {k: v for k, v in taken.items() if v is not None}
+
+
+def _build(method, model, opts: dict, generation_config=None):
+    """The call's proposer: ``method``'s options ``opts``, and those of its options that are transformers generation
+    settings (:attr:`~hf_specdec.registry.Option.generation_setting`) read from the call's generation config where
+    the call did not give them."""
+    config = generation_config if generation_config is not None else model.generation_config
+    for option in registry.get(method).options:
+        if option.generation_setting and opts.get(option.name) is None:
+            value = getattr(config, option.name, None)
+            if value is not None:
+                opts[option.name] = value
+    return build_proposer(method, model, **opts)
 
 
 def _split_loop_options(opts: dict) -> dict:
@@ -77,6 +100,7 @@ class _DecodingMethod:
             self.fixed, self.label = None, method
             registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at generate()
         self.method, self.defaults = method, defaults
+        self._local = threading.local()  # what generate() pops while it reads the signature, for this thread's call
         self.__name__ = f"hf_specdec_{self.label}"
         self.__doc__ = f"hf_specdec speculative decoding, method {self.label!r}."
 
@@ -90,6 +114,7 @@ class _DecodingMethod:
         sorting = generate_arguments_in_flight()  # (model, kwargs) while generate() sorts its arguments
         if sorting is not None:
             names += [k for k in unused_generate_arguments(*sorting) if k not in names]
+            self._local.tokenizers = tokenizers_in_flight()  # generate() pops them now and never passes them on
         options = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names]
         rest = inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)
         return inspect.Signature(plain + options + [rest])
@@ -97,11 +122,16 @@ class _DecodingMethod:
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                  **kwargs):
         dropped = calling_generate_arguments()  # streamer= and assistant_model= that generate() kept to itself
+        dropped.update(getattr(self._local, "tokenizers", {}))  # tokenizer= / assistant_tokenizer= it popped
+        self._local.tokenizers = {}
         opts = {**self.defaults, **_take_options(kwargs, model)}
         if dropped.get("assistant_model") is not None:
             if opts.get("drafter") is not None:
                 raise ValueError("Pass the draft model once: assistant_model= or drafter=, not both.")
             opts["drafter"] = dropped["assistant_model"]
+        if self.fixed is None:
+            own = set(registry.get(self.method).option_names)
+            opts.update({k: v for k, v in dropped.items() if k in own and k not in opts})
         loop = _split_loop_options(opts)
         if self.fixed is not None:
             if opts:
@@ -109,7 +139,7 @@ class _DecodingMethod:
                                  f"({self.label}); configure the proposer itself.")
             proposer = self.fixed
         else:
-            proposer = build_proposer(self.method, model, **opts)
+            proposer = _build(self.method, model, opts, generation_config)
         runner = _runner(model, loop)
         kwargs["cache"] = runner.cache_for_call(kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -156,25 +186,24 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
                          assistant_model=None, streamer=None, negative_prompt_ids=None,
                          negative_prompt_attention_mask=None, **kwargs):
     """The body of every ``custom_generate/generate.py``: ``generate()``'s arguments in, sequences out."""
-    registry.get(method)  # an unknown name fails first
-    opts = _take_options(kwargs, model)  # a misspelt option too: the method's record names it (resolve, below)
+    record = registry.get(method)  # an unknown name fails first
+    # a misspelt option too: the method's record names it (resolve, below); transformers' own speculative arguments
+    # (assistant_early_exit=, use_mtp=, ...) are options of method 'auto', refused by the others with its name
+    opts = _take_options(kwargs, model, method)
     if assistant_model is not None:
         if opts.get("drafter") is not None:
             raise ValueError("Pass the draft model once: assistant_model= or drafter=, not both.")
         opts["drafter"] = assistant_model
-    for key in ("assistant_early_exit", "use_mtp", "speculation_type", "assistant_tokenizer"):
-        if kwargs.get(key) is not None:
-            raise ValueError(f"{key}= selects one of transformers' own assisted modes; it cannot be combined with "
-                             f"custom_generate='hf_specdec/{method}'. Drop one of the two.")
     _check_lengths(inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
     stop, generation_config = _take_stop_strings(model, generation_config, kwargs)
     if stop is not None:
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
     loop = _split_loop_options(opts)
-    proposer = build_proposer(method, model, **opts)
+    record.resolve(dict(opts))  # option errors before generate() runs; the proposer is built with the call's config
     runner = _runner(model, loop)
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **model_kwargs):
+        proposer = _build(method, model, dict(opts), generation_config)
         model_kwargs["cache"] = runner.cache_for_call(model_kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   proposer=proposer, streamer=streamer, runner=runner, **loop, **model_kwargs)

@@ -38,7 +38,8 @@ import torch
 
 from .placement import drafter_device
 
-BUILTIN_MODULES = ("plain", "prompt_lookup", "suffix", "lookahead", "draft_model", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # hf_specdec.proposers modules with a METHOD
+BUILTIN_MODULES = ("plain", "prompt_lookup", "suffix", "lookahead", "draft_model", "universal", "eagle3", "dflash", "medusa",
+                   "layerskip", "mtp", "gemma4_assistant", "auto")  # hf_specdec.proposers modules with a METHOD
 DRAFTERS_DIR = Path(__file__).parent / "drafters"  # drafters trained by this project, shipped with the package
 
 
@@ -47,6 +48,9 @@ class Option:
     """One keyword argument of a method (given to ``generate`` or ``decoding_method``).
 
     ``default=None`` means "not set": the method decides (and the doc says how). ``choices`` restricts the values.
+    ``generation_setting``: the name is also a transformers generation setting (``GenerationConfig`` field); when the
+    call does not give it, the entry points read it from the call's generation config (``generate()`` keywords,
+    ``generation_config=``, the model's own), as transformers would.
     """
 
     name: str
@@ -54,6 +58,7 @@ class Option:
     default: Any
     doc: str
     choices: tuple = ()
+    generation_setting: bool = False
 
     def check(self, method: str, value):
         """``value`` if it is valid for this option (``None``: the default), else a ``ValueError`` naming why."""
@@ -197,6 +202,8 @@ class Method:
         description: a paragraph for the method folder's README (default: ``summary``).
         reference: drafts nothing (``plain``): the reference the methods are compared against, left out of the
             demo's comparison.
+        router: chooses another method from the call's arguments (``auto``) and drafts nothing of its own: left out
+            of the demo's comparison.
     """
 
     name: str
@@ -207,6 +214,7 @@ class Method:
     shorthands: Mapping[str, Shorthand] = field(default_factory=dict)
     description: str = ""
     reference: bool = False
+    router: bool = False
 
     def __repr__(self) -> str:
         return f"Method({self.name!r})"

@@ -1,5 +1,6 @@
 """DFlash: drafter vs an independent re-implementation, z-lab layouts from a local Hub cache offline, transformers'
-native Muse-Glimmer drafter on the same weights, errors, and lossless generation."""
+native Muse-Glimmer drafter on the same weights (its drafts equal transformers' speculation_type="dflash", sliding
+layers included; the object and a save_pretrained checkpoint by repo id), errors, and lossless generation."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from transformers import AutoModel
 import hf_specdec
 from dflash_fixtures import H, random_weights, reference_block, zlab_config, zlab_files
 from hf_specdec.conversions.common import ConversionError
-from hf_specdec.conversions.dflash import convert_dflash
+from hf_specdec.conversions.dflash import MUSE_GLIMMER_NAMES, convert_dflash
 from hf_specdec.hub_cache import write_cached_repo
 from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
 from tiny import prompts, tiny_model
@@ -174,10 +175,7 @@ def test_native_muse_glimmer_on_the_same_weights():
                                      rope_parameters={"rope_theta": 1000000.0, "rope_type": "default"},
                                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
     native = MuseGlimmerAssistantModel(cfg).eval()
-    renamed = {k.replace("fc.", "encoder.fc.", 1) if k.startswith("fc.") else
-               k.replace("hidden_norm.", "encoder.output_norm_enc.", 1) if k.startswith("hidden_norm.") else k: v
-               for k, v in w.items()}
-    missing, unexpected = native.load_state_dict(renamed, strict=False)
+    missing, unexpected = native.load_state_dict(_muse_glimmer_names(w), strict=False)
     assert not unexpected and all("rotary" in m for m in missing)
     torch.manual_seed(0)
     feats, noise = torch.randn(1, 6, 2 * H), torch.randn(1, 4, H)
@@ -267,3 +265,132 @@ def test_adaptive_scores_only_the_block_positions_it_may_keep(monkeypatch):
     widths.clear()
     out = target.generate(**kw, custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
     assert torch.equal(out, ref) and widths[:2] == [4, 3]
+
+
+def _muse_glimmer_names(weights):
+    """Our tensor names -> MuseGlimmerAssistantModel's (the inverse of the converter's mapping)."""
+    back = {new: old for old, new in MUSE_GLIMMER_NAMES.items()}
+    return {next((back[p] + k[len(p):] for p in back if k.startswith(p)), k): v for k, v in weights.items()}
+
+
+def _muse_glimmer(window=5):
+    """A random Muse Glimmer assistant for the 4-layer target: 3 layers, sliding / full / sliding (a window of
+    ``window`` tokens, shorter than the tests' sequences), 3 taps; transformers' defaults otherwise (no vocab_size:
+    the target's)."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    cfg = MuseGlimmerAssistantConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=8, block_size=4, mask_token_id=95,
+                                     target_layer_ids=[0, 1, 3], sliding_window=window,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                     bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    native = MuseGlimmerAssistantModel(cfg).eval()
+    missing, unexpected = native.load_state_dict(
+        _muse_glimmer_names(random_weights(layers=3, taps=3, scale=0.5, seed=3)), strict=False)
+    assert not missing and not unexpected
+    return native
+
+
+def test_muse_glimmer_drafts_equal_transformers_dflash(monkeypatch):
+    """transformers' MuseGlimmerAssistantModel given as the assistant: our drafts (the block's argmax, constant
+    schedule, whole block) equal DFlashTokenCandidateGenerator's candidates at prefill and after every acceptance
+    pattern (0..3 of 3 drafts accepted: both loops get the same drafts forced from the reference, the drafters'
+    own are recorded), with sliding layers whose window is shorter than the sequence (transformers' bidirectional
+    window |q - k| <= W: without the conversion's + 1, 6 of 7 steps' drafts differed). Greedy outputs equal plain
+    generate, ours also at padded batch 3."""
+    from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+
+    from hf_specdec.proposers.dflash import DFlashProposer
+
+    target, native = _target(), _muse_glimmer()
+    ids, _ = prompts(1, 12)
+    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    ref = target.generate(ids, **kw)
+
+    def forced(anchor, width):  # the reference's tokens after the anchor, the first wrong after anchor % 4 of them
+        right = min(anchor % 4, width)
+        true = [int(ref[0, q]) if q < ref.shape[1] else 3 for q in range(anchor + 1, anchor + 1 + width)]
+        return torch.tensor([t if j < right else (t + 1) % VOCAB for j, t in enumerate(true)])
+
+    ours, theirs = [], []
+    block_logits, get_candidates = DFlashProposer._block_logits, DFlashTokenCandidateGenerator.get_candidates
+
+    def our_block(self, state, hidden):
+        logits = block_logits(self, state, hidden)
+        if not logits.shape[1]:
+            return logits
+        ours.append(logits.argmax(-1)[0].tolist())
+        tokens = forced(int(state.root_positions[0]), logits.shape[1]).to(logits.device)
+        return torch.nn.functional.one_hot(tokens, logits.shape[-1])[None].to(logits.dtype) * 100
+
+    def their_candidates(self, input_ids, *args, **kwargs):
+        out, logits = get_candidates(self, input_ids, *args, **kwargs)
+        if logits is None:  # the first iteration: no candidates yet
+            return out, logits
+        n = input_ids.shape[1]
+        theirs.append(out[0, n:].tolist())
+        return torch.cat([input_ids, forced(n - 1, out.shape[1] - n)[None]], dim=1), logits
+
+    monkeypatch.setattr(DFlashProposer, "_block_logits", our_block)
+    monkeypatch.setattr(DFlashTokenCandidateGenerator, "get_candidates", their_candidates)
+    native_out = target.generate(ids, **kw, assistant_model=native, speculation_type="dflash")
+    ours_out = target.generate(ids, **kw, assistant_model=native,
+                               custom_generate=hf_specdec.decoding_method("dflash", draft_length_schedule="constant"))
+    assert torch.equal(native_out, ref) and torch.equal(ours_out, ref)
+    assert len(ours) == len(theirs) >= 6  # prefill, then steps accepting 0, 1, 2 and 3 drafts
+    assert all(mine == other[:len(mine)] and len(mine) >= min(3, len(other)) for mine, other in zip(ours, theirs))
+    monkeypatch.undo()
+    ids, mask = prompts(3, 12, seed=3)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, assistant_model=native,
+                          custom_generate=hf_specdec.decoding_method("dflash"))
+    assert torch.equal(out, ref)
+
+
+def test_muse_glimmer_saved_by_transformers_loads_by_repo_id(hub, tmp_path):
+    """A Muse Glimmer assistant written by transformers' save_pretrained (no vocab_size in its config) is read by
+    repo id from a local Hub cache offline, converted for the target (its vocabulary, window + 1) to the drafter the
+    object converts to, and decodes losslessly at padded batch 3."""
+    import json
+
+    from hf_specdec.conversions.dflash import as_dflash_drafter
+
+    target, native = _target(), _muse_glimmer()
+    native.save_pretrained(tmp_path / "saved")
+    files = {f.name: f.read_bytes() for f in (tmp_path / "saved").iterdir()}
+    assert "vocab_size" not in json.loads(files["config.json"])
+    write_cached_repo(hub, "meta-models/Tiny-Muse-Glimmer-assistant", files)
+    with pytest.raises(ConversionError, match="no vocab_size.*pass the target"):
+        convert_dflash("meta-models/Tiny-Muse-Glimmer-assistant")
+    loaded = convert_dflash("meta-models/Tiny-Muse-Glimmer-assistant", target=target)
+    from_object = as_dflash_drafter(native, target)
+    assert loaded.config.sliding_window == from_object.config.sliding_window == 6
+    assert loaded.config.vocab_size == VOCAB and loaded.config.layer_types == native.config.layer_types
+    for k, v in from_object.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v)
+    assert from_object.fc.weight.data_ptr() == native.encoder.fc.weight.data_ptr()  # shared, not copied
+    ids, mask = prompts(3, 12, seed=4)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    out = target.generate(**kw, custom_generate=hf_specdec.custom_generate_path("dflash"), trust_remote_code=True,
+                          drafter="meta-models/Tiny-Muse-Glimmer-assistant")
+    assert torch.equal(out, target.generate(**kw))
+
+
+def test_auto_runs_speculation_type_dflash():
+    """transformers' call generate(assistant_model=<Muse Glimmer>, speculation_type='dflash') plus
+    custom_generate='hf_specdec/auto': this library's dflash method, the same text as transformers' own run (batch 1)
+    and as plain greedy decoding (padded batch 3)."""
+    target, native = _target(), _muse_glimmer()
+    kw = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    auto = dict(custom_generate=hf_specdec.custom_generate_path("auto"), trust_remote_code=True)
+    ids, _ = prompts(1, 12)
+    ref = target.generate(ids, **kw)
+    assert torch.equal(target.generate(ids, **kw, assistant_model=native, speculation_type="dflash"), ref)
+    out = target.generate(ids, **kw, assistant_model=native, speculation_type="dflash", **auto,
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and out.speculative_stats["method"] == "dflash"
+    ids, mask = prompts(3, 12, seed=3)
+    ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    out = target.generate(input_ids=ids, attention_mask=mask, **kw, assistant_model=native, speculation_type="dflash",
+                          **auto)
+    assert torch.equal(out, ref)

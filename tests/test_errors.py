@@ -24,8 +24,8 @@ def _pl(target, ids, **kw):
 def test_unknown_method(target):
     with pytest.raises(ValueError, match="Unknown speculative decoding method 'medusa2'.*Available"):
         hf_specdec.decoding_method("medusa2")
-    with pytest.raises(ValueError, match="Available: assisted, dflash, eagle3, layerskip, lookahead, medusa, mtp, "
-                                           "plain, prompt_lookup"):
+    with pytest.raises(ValueError, match="Available: assisted, auto, dflash, eagle3, gemma4_assistant, layerskip, "
+                                           "lookahead, medusa, mtp, plain, prompt_lookup, suffix, universal"):
         generate_with_method("nope", target, prompts(1)[0], **GEN)
     with pytest.raises(ValueError, match="Unknown"):
         hf_specdec.custom_generate_path("nope")

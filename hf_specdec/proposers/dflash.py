@@ -13,12 +13,14 @@ skipped context is fed at the next probe.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
 from .. import cache as cache_ops
-from ..conversions.dflash import LAYOUTS, convert_dflash, export_dflash
+from ..conversions.common import load_converted_or_published
+from ..conversions.dflash import LAYOUTS, NATIVE_DRAFTERS, as_dflash_drafter, convert_dflash, export_dflash
 from ..costs import batch_cap, best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
@@ -200,6 +202,13 @@ def _reaches(confidence: list[float], cal: float) -> list[float]:
     return out
 
 
+def _load(source, target):
+    """A folder / Hub id for ``target``: one hf_specdec converted, or a published layout converted in memory for this
+    target (a Muse Glimmer assistant's config has no vocabulary size: it is the target's)."""
+    return load_converted_or_published(source, target, DFlashDrafter,
+                                       lambda src, **kw: convert_dflash(src, target=target, **kw))
+
+
 def _train(target, tokenizer, out, args, common):
     from .. import training
 
@@ -218,21 +227,24 @@ METHOD = Method(
                 "sampled from the drafter's distribution, speculative rejection sampling). z-lab layouts (old "
                 "5-layer/5-tap, new 6-layer/8-tap revisions) and transformers' native Muse-Glimmer assistant layout "
                 "are converted in memory; `hf-specdec convert dflash <repo> <out> --revision <rev>` converts once.",
-    build=lambda target, opts: DFlashProposer(opts["drafter"], block_size=opts["block_size"],
+    build=lambda target, opts: DFlashProposer(as_dflash_drafter(opts["drafter"], target),
+                                              block_size=opts["block_size"],
                                               adaptive=opts["draft_length_schedule"] != "constant"),
     options=(
         Option("block_size", int, None, "block positions drafted (default: the drafter's block size)"),
         SCHEDULE,
         HYBRID,
     ),
-    drafter=DrafterSpec.published(
+    # objects: a DFlashDrafter, or transformers' own MuseGlimmerAssistantModel (converted in memory by `build`,
+    # sharing its weights); folders / Hub ids: converted for the target (a Muse Glimmer config has no vocabulary size)
+    drafter=dataclasses.replace(DrafterSpec.published(
         DFlashDrafter, convert_dflash, LAYOUTS,
         export=export_dflash,
         doc="a DFlash drafter",
         shipped={SMOLLM2: "smollm2-135m-instruct-dflash"},
         train=_train,
         example="drafter=\"z-lab/Qwen3-4B-DFlash-b16\")     # published repo, converted folder, or model",
-    ),
+    ), load=_load, accepts=(DFlashDrafter, *NATIVE_DRAFTERS)),
     shorthands={
         "dflash": Shorthand("B", lambda arg: {"block_size": int(arg)} if arg else {}),
         "dflash_fixed": Shorthand("B", lambda arg: {"draft_length_schedule": "constant",

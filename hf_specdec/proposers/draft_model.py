@@ -77,13 +77,19 @@ class DraftModelProposer(Proposer):
         draft_vocab: target token ids the drafter may draft (its head scores only those, see
             :func:`restricted_head`); ``None`` takes the draft vocabulary saved with the drafter
             (``save_draft_model(..., draft_vocab=)``) if it has one, ``"full"`` the whole vocabulary.
+        confidence: stop a row's chain after a draft whose probability under the drafter is below this
+            (transformers' ``assistant_confidence_threshold``); ``None``: the length rule alone.
     """
 
     name = "assisted"
 
-    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = MAX_TOKENS, draft_vocab=None):
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = MAX_TOKENS, draft_vocab=None,
+                 confidence: float | None = None):
         if num_tokens is not None and num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}.")
+        if confidence is not None and not 0.0 <= confidence <= 1.0:
+            raise ValueError(f"confidence must be a probability in [0, 1], got {confidence}.")
+        self.confidence = confidence
         self.drafter = drafter
         self.num_tokens = num_tokens
         self.max_tokens = num_tokens if num_tokens is not None else max_tokens
@@ -164,6 +170,7 @@ class DraftModelProposer(Proposer):
         prefixes = [state.prefix(b) for b in range(bsz)]
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs = [], []
+        lengths, stopped = [k] * bsz, torch.zeros(bsz, dtype=torch.bool, device=state.device)
         logits = self._forward(state, tokens, positions, layout.valid[:, :past], layout.positions[:, :past], attends)
         for i in range(k):
             if i > 0:
@@ -174,14 +181,22 @@ class DraftModelProposer(Proposer):
                 logits = self._forward(state, drafts[-1][:, None], state.root_positions[:, None] + i,
                                        torch.cat([layout.valid, ones[:, :i]], 1), past_pos, ones[:, :1, None])
                 self.token_seconds.add(time.perf_counter() - t1)
-            nxt, p = next_draft(state, logits, prefixes, drafts, process)
+            nxt, p = next_draft(state, logits, prefixes, drafts, process, want_probs=self.confidence is not None)
             if state.do_sample:
                 probs.append(p)
             drafts.append(nxt)
+            if self.confidence is not None:  # a chain ends after its first unlikely draft
+                unsure = ~stopped & (p.gather(1, nxt[:, None])[:, 0] < self.confidence)
+                for b in unsure.nonzero()[:, 0].tolist():
+                    lengths[b] = i + 1
+                stopped |= unsure
+                if bool(stopped.all()):
+                    break
+        k = len(drafts)
         self.fed = k  # the root and drafts[:k-1] were added beyond the committed columns
         drafts_t = torch.stack(drafts, dim=1)
         self.fed_tokens = torch.cat([roots[:, None], drafts_t[:, :k - 1]], dim=1)
-        self.counts = [min(b, k) for b in budgets]
+        self.counts = [min(b, k, n) for b, n in zip(budgets, lengths)]
         draft_probs = torch.stack(probs, dim=1) if probs else None
         self.tree = DraftTree.chain(roots, drafts_t, self.counts, draft_probs)
         return self.tree
@@ -218,7 +233,8 @@ def _build(target, opts) -> DraftModelProposer:
     num = opts["num_speculative_tokens"]
     if num is None and opts["draft_length_schedule"] == "constant":
         num = CONSTANT_TOKENS
-    return DraftModelProposer(opts["drafter"], num_tokens=num, draft_vocab=opts["draft_vocab"])
+    return DraftModelProposer(opts["drafter"], num_tokens=num, draft_vocab=opts["draft_vocab"],
+                              confidence=opts["confidence"])
 
 
 def _train(target, tokenizer, out, args, common):
@@ -247,6 +263,8 @@ METHOD = Method(
         HYBRID,
         Option("draft_vocab", object, None,
                "target token ids the drafter may draft (default: the draft vocabulary saved with it; 'full': all)"),
+        Option("confidence", float, None, "stop a chain after a draft whose probability under the drafter is below "
+               "this (transformers' assistant_confidence_threshold; default: the length rule alone)"),
     ),
     drafter=DrafterSpec(
         doc="a draft model",

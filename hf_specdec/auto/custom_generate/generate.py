@@ -1,0 +1,16 @@
+"""hf_specdec `auto` speculative decoding as a transformers `custom_generate` entry point.
+
+Usage and options: README.md in the folder above this one. The decoding loop lives in the installed
+`hf_specdec` package (pip install hf_specdec); this file only binds the method name.
+"""
+
+from hf_specdec.entry import generate_with_method
+
+METHOD = "auto"
+PROVIDER = None  # the module that registers the method (None: built into hf_specdec)
+
+
+def generate(model, *args, **kwargs):
+    if PROVIDER is not None:
+        __import__(PROVIDER)
+    return generate_with_method(METHOD, model, *args, **kwargs)
