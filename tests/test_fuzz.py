@@ -4,7 +4,11 @@ Each example draws a tiny random target (Llama, Qwen3, Gemma-3 text with sliding
 left-padded prompts of different lengths, ``max_new_tokens``, EOS ids (none, a token the target is about to produce,
 or a list) and one built-in method with random options and, where it needs one, a random drafter built for the drawn
 target (EAGLE-3 and DFlash drafters bind to the target's hidden size and layer count, Medusa heads to its width
-and vocabulary). The property: the method's
+and vocabulary). Method ``gemma4_assistant`` draws its own kind of target (Gemma 4, Gemma 4 Unified or Gemma 3n, with
+KV sharing and sliding windows, :func:`gemma4_specs`) and an assistant reading its shared KV; ``universal`` reads the
+targets' ids as text (one character per id, :func:`target_tokenizer`) and drafts with a model over another tokenizer
+of that text (shuffled ids, merges, missing characters: :func:`drafter_tokenizer`); ``auto`` draws one kind of
+transformers' own arguments (:func:`auto_options`). The property: the method's
 output equals ``model.generate(do_sample=False)`` on the same batch (fp32), row for row.
 
 Invalid draws that the library refuses on purpose are checked as such, not compared: a prompt plus
@@ -17,14 +21,16 @@ built targets and drafters are cached per drawn configuration. For a longer sear
 (and drop ``derandomize``) locally.
 
 What the draws do not reach: batch compaction (it needs more than 32 cache holes, i.e. long generations;
-tests/test_lossless.py covers it) and sampling (tests/test_sampling.py). Random DFlash drafters are accepted rarely
-(an EAGLE-3 drafter can be built to echo the last token, see :func:`build_eagle3`, and Medusa heads to repeat the
-root, see :func:`build_medusa`; a DFlash block cannot as simply).
+tests/test_lossless.py covers it), sampling (tests/test_sampling.py) and ``auto``'s ``use_mtp=True`` (it needs a
+checkpoint with MTP layers: tests/test_auto.py). Random DFlash drafters are accepted rarely (an EAGLE-3 drafter
+can be built to echo the last token, see :func:`build_eagle3`, and Medusa heads to repeat the root, see
+:func:`build_medusa`; a DFlash block cannot as simply).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -32,7 +38,17 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from transformers import (
     Gemma3ForCausalLM,
+    Gemma3nForCausalLM,
+    Gemma3nTextConfig,
     Gemma3TextConfig,
+    Gemma4AssistantConfig,
+    Gemma4AssistantForCausalLM,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    Gemma4UnifiedAssistantConfig,
+    Gemma4UnifiedAssistantForCausalLM,
+    Gemma4UnifiedForCausalLM,
+    Gemma4UnifiedTextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -51,20 +67,27 @@ from hf_specdec.proposers import Proposer
 from hf_specdec.proposers.medusa import MC_SIM_7B_63
 from hf_specdec.registry import builtin_methods
 from hf_specdec.tree import DraftTree
+from tiny import word_tokenizer
 
 PAD, EOS, BOS = 0, 1, 2
 ARCHS = ("llama", "qwen3", "gemma3", "gpt2")
+GEMMA4_ARCHS = ("gemma4", "gemma4_unified", "gemma3n")  # the targets of method gemma4_assistant only
+LAYER_TYPES = ("sliding_attention", "full_attention")
 WIDE_WINDOW = 512  # the context window of most drawn targets: never reached
 MAX_PROMPT = 10
 MAX_NEW = 12
-EXAMPLES_PER_VARIANT = 10  # 70 draws in all
+EXAMPLES_PER_VARIANT = 10  # 170 draws in all
 
 
 # ------------------------------------------------------------------------------------------------ tiny models
 @dataclass(frozen=True)
 class TargetSpec:
-    """A tiny random target. ``layer_types`` and ``sliding_window`` are Gemma-3's; ``kv_heads`` is not used by
-    GPT-2 (no grouped-query attention)."""
+    """A tiny random target. ``layer_types`` and ``sliding_window`` are Gemma-3's (and Gemma 4's); ``kv_heads`` is
+    not used by GPT-2 (no grouped-query attention). The last fields are the Gemma 4 / Gemma 3n targets' (see
+    :func:`gemma4_specs`): ``kv_shared`` last layers reuse the KV of earlier ones, full-attention layers have head dim
+    ``global_head_dim`` (Gemma 4) and, where ``global_kv_heads`` is set, keys equal to values over that many heads
+    (``attention_k_eq_v``); ``per_layer`` is Gemma 4's per-layer input width; ``agree`` scales the blocks' output
+    norms (small: the target is close to a bigram model of its embeddings, which an assistant can copy)."""
 
     arch: str
     vocab: int
@@ -75,6 +98,11 @@ class TargetSpec:
     window: int = WIDE_WINDOW
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0
+    kv_shared: int = 0
+    global_head_dim: int = 0
+    global_kv_heads: int = 0
+    per_layer: int = 0
+    agree: float = 1.0
 
 
 def _sharpen(model, factor: float = 3.0):
@@ -109,11 +137,63 @@ def build_target(spec: TargetSpec):
     elif spec.arch == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(n_embd=spec.hidden, n_layer=spec.layers, n_head=4,
                                            n_positions=spec.window, **common))
+    elif spec.arch in GEMMA4_ARCHS:
+        _TARGETS[spec] = _gemma4_target(spec, {**attention, **common})
+        return _TARGETS[spec]
     else:
         raise ValueError(spec.arch)
     model.config._attn_implementation = "sdpa"
     _TARGETS[spec] = _sharpen(model.eval())
     return _TARGETS[spec]
+
+
+# the norms after each sub-block of Gemma 4 / 3n (they set the scale of what a block adds to the residual)
+POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight",
+              "post_per_layer_input_norm.weight")
+
+
+def _gemma4_shapes(spec: TargetSpec, hidden: int) -> dict:
+    """The attention shapes a Gemma 4 text config of ``spec``'s target (or of an assistant for it) takes."""
+    shapes = dict(num_attention_heads=4, num_key_value_heads=spec.kv_heads, head_dim=8,
+                  sliding_window=spec.sliding_window, hidden_size=hidden, intermediate_size=2 * hidden)
+    if spec.arch != "gemma3n":
+        shapes["global_head_dim"] = spec.global_head_dim
+        if spec.global_kv_heads:
+            shapes.update(attention_k_eq_v=True, num_global_key_value_heads=spec.global_kv_heads)
+    return shapes
+
+
+def _sdpa(model):
+    for config in (model.config, model.config.get_text_config()):
+        config._attn_implementation = "sdpa"
+    return model.eval()
+
+
+def _gemma4_target(spec: TargetSpec, common: dict):
+    """A Gemma 4, Gemma 4 Unified or Gemma 3n text model of ``spec`` (sharpened as the others, its blocks' output
+    norms scaled by ``spec.agree``)."""
+    common = {k: v for k, v in common.items() if k in ("vocab_size", "pad_token_id", "eos_token_id",
+                                                        "bos_token_id", "max_position_embeddings")}
+    shapes = dict(_gemma4_shapes(spec, spec.hidden), num_hidden_layers=spec.layers,
+                  layer_types=list(spec.layer_types), num_kv_shared_layers=spec.kv_shared, **common)
+    if spec.arch == "gemma4":
+        model = Gemma4ForCausalLM(Gemma4TextConfig(**shapes, hidden_size_per_layer_input=spec.per_layer,
+                                                   vocab_size_per_layer_input=spec.vocab, tie_word_embeddings=False))
+    elif spec.arch == "gemma4_unified":
+        model = Gemma4UnifiedForCausalLM(Gemma4UnifiedTextConfig(**shapes, tie_word_embeddings=False))
+    else:  # Gemma 3n: AltUp, LAuReL, per-layer inputs, logits soft-capped at 30
+        model = Gemma3nForCausalLM(Gemma3nTextConfig(**shapes, hidden_size_per_layer_input=4,
+                                                     vocab_size_per_layer_input=spec.vocab, laurel_rank=4,
+                                                     altup_num_inputs=2,
+                                                     activation_sparsity_pattern=[0.0] * spec.layers))
+    model = _sharpen(_sdpa(model))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(POST_NORMS):
+                p.mul_(spec.agree)
+        if spec.arch != "gemma3n":  # few near-ties between a bigram's top tokens (3n's soft cap would make ties)
+            model.get_output_embeddings().weight.mul_(10.0)
+    return model
 
 
 def _randomize(module, seed: int, scale: float):
@@ -262,12 +342,127 @@ def build_mtp(target_spec: TargetSpec, draft_vocab: int, parallel: int, seed: in
     return _DRAFTERS[key]
 
 
+def build_gemma4_assistant(target_spec: TargetSpec, layer_types: tuple[str, ...], hidden: int, window: int,
+                           oracle: bool, ordered: int, seed: int):
+    """A Gemma 4 assistant for the Gemma 4 / 3n target of ``target_spec`` (a Gemma 4 Unified one for a Unified
+    target): ``layer_types`` (each a type whose KV the target shares), width ``hidden``, sliding window ``window``,
+    the target's KV geometry. ``oracle`` (width = the target's) reads the token's embedding and predicts the target's
+    bigram, so that drafts of a low-``agree`` target are accepted; else random. ``ordered`` (plain assistants): the
+    ordered-embedding head over 4 clusters, the best ``ordered`` of them scored."""
+    key = ("gemma4_assistant", target_spec, layer_types, hidden, window, oracle, ordered, seed)
+    if key not in _DRAFTERS:
+        target = build_target(target_spec)
+        unified = target_spec.arch == "gemma4_unified"
+        spec = replace(target_spec, sliding_window=window)
+        if target_spec.arch == "gemma3n":  # 3n's full-attention layers have the sliding ones' head dim
+            spec = replace(spec, arch="gemma4", global_head_dim=8, global_kv_heads=0)
+        common = dict(vocab_size=spec.vocab, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+                      max_position_embeddings=spec.window)
+        text_cls, cfg_cls, cls = ((Gemma4UnifiedTextConfig, Gemma4UnifiedAssistantConfig,
+                                   Gemma4UnifiedAssistantForCausalLM) if unified else
+                                  (Gemma4TextConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM))
+        extra = {} if unified else dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)
+        text = text_cls(**_gemma4_shapes(spec, hidden), num_hidden_layers=len(layer_types),
+                        layer_types=list(layer_types), **extra, **common)
+        ordering = dict(use_ordered_embeddings=True, num_centroids=4, centroid_intermediate_top_k=ordered) \
+            if ordered else {}
+        torch.manual_seed(seed)
+        assistant = _sharpen(_sdpa(cls(cfg_cls(text_config=text, backbone_hidden_size=target_spec.hidden,
+                                               **ordering))))
+        with torch.no_grad():
+            if ordered:
+                assistant.masked_embedding.token_ordering.copy_(torch.randperm(spec.vocab))
+            if oracle:
+                h = target_spec.hidden
+                assistant.pre_projection.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+                for name, p in assistant.named_parameters():
+                    if name.endswith(POST_NORMS):
+                        p.mul_(0.05)
+                assistant.lm_head.weight.copy_(target.get_output_embeddings().weight)
+                assistant.model.norm.weight.copy_(target.base_model.norm.weight)
+        _DRAFTERS[key] = assistant
+    return _DRAFTERS[key]
+
+
+_TOKENIZERS: dict[tuple, object] = {}
+DRAFTER_SPECIALS = ("<pad>", "</s>", "<s>", "<unk>")
+
+
+def target_tokenizer(vocab: int):
+    """The fuzz targets' tokenizer: :func:`tiny.word_tokenizer`, one character per id ``3..vocab-1``."""
+    if ("target", vocab) not in _TOKENIZERS:
+        _TOKENIZERS["target", vocab] = word_tokenizer(vocab)
+    return _TOKENIZERS["target", vocab]
+
+
+def drafter_tokenizer(vocab: int, seed: int, merges: int, missing: int):
+    """Another tokenizer of the fuzz targets' text (a BPE, as the target's): its specials (an ``<unk>`` more) and the
+    target's characters under shuffled ids, ``missing`` characters left out (it reads them as ``<unk>``), and
+    ``merges`` BPE merges of random characters or earlier merges with a character (one drafter token for text the
+    target spells with two or more). Returns the tokenizer and ``{piece: its id}``."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    key = ("drafter", vocab, seed, merges, missing)
+    if key not in _TOKENIZERS:
+        g = torch.Generator().manual_seed(seed)
+        chars = [chr(30 + i) for i in range(3, vocab)]
+        chars = [chars[i] for i in sorted(torch.randperm(len(chars), generator=g)[missing:].tolist())]
+        pieces = list(DRAFTER_SPECIALS) + chars
+        table = {piece: i for piece, i in zip(pieces, torch.randperm(len(pieces), generator=g).tolist())}
+        pairs = []
+        for _ in range(merges):
+            left = pieces[4 + int(torch.randint(len(pieces) - 4, (1,), generator=g))]
+            right = chars[int(torch.randint(len(chars), (1,), generator=g))]
+            if left + right not in table:
+                pairs.append((left, right))
+                table[left + right] = len(table)
+                pieces.append(left + right)
+        tk = Tokenizer(models.BPE(vocab=table, merges=pairs, unk_token="<unk>"))
+        tk.decoder = decoders.Fuse()
+        tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", bos_token="<s>",
+                                      unk_token="<unk>")
+        tok.padding_side = "left"
+        _TOKENIZERS[key] = (tok, table)
+    return _TOKENIZERS[key]
+
+
+def build_twin(target_spec: TargetSpec, vocab_key: tuple, seed: int = 0):
+    """The target of ``target_spec`` over the drafter tokenizer ``drafter_tokenizer(*vocab_key)``'s ids: each
+    piece that is a target token has that token's embedding and output rows (it predicts what the target predicts,
+    spelt otherwise); a merged piece reads as its last character and scores as its first one, perturbed (drafted now
+    and then instead of it); ``<unk>`` keeps the fresh rows of a model built with that vocabulary."""
+    key = ("twin", target_spec, vocab_key, seed)
+    if key not in _DRAFTERS:
+        target = build_target(target_spec)
+        _, table = drafter_tokenizer(*vocab_key)
+        twin = copy.deepcopy(build_target(replace(target_spec, vocab=len(table))))
+        mine = twin.state_dict()
+        twin.load_state_dict({k: v for k, v in target.state_dict().items() if mine[k].shape == v.shape}, strict=False)
+        theirs = target_tokenizer(target_spec.vocab).get_vocab()
+        g = torch.Generator().manual_seed(seed)
+        t_in, t_out = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        d_in, d_out = twin.get_input_embeddings().weight, twin.get_output_embeddings().weight
+        with torch.no_grad():
+            for piece, i in table.items():
+                if piece in theirs:
+                    d_in[i], d_out[i] = t_in[theirs[piece]], t_out[theirs[piece]]
+                elif piece != "<unk>":
+                    first, last = theirs[piece[0]], theirs[piece[-1]]
+                    d_in[i] = t_in[last]
+                    d_out[i] = t_out[first] + 0.05 * t_out[first].abs().mean() * torch.randn(d_out.shape[1],
+                                                                                              generator=g)
+        _DRAFTERS[key] = twin.eval()
+    return _DRAFTERS[key]
+
+
 # ------------------------------------------------------------------------------------------------ strategies
-# what each test case runs: every built-in method, EAGLE-3 with its two draft shapes
+# what each test case runs: every built-in method, EAGLE-3, Medusa and MTP with their draft shapes
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
             "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa",
             "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp", "mtp_parallel": "mtp", "suffix": "suffix",
-            "lookahead": "lookahead", "plain": "plain"}
+            "lookahead": "lookahead", "plain": "plain", "gemma4_assistant": "gemma4_assistant",
+            "universal": "universal", "auto": "auto"}
 HYBRID_VARIANTS = ("assisted", "eagle3_tree", "eagle3_chain", "dflash", "medusa_tree", "medusa_chain", "mtp_chain",
                    "mtp_tree", "mtp_parallel")  # the methods with a hybrid= option
 DRIVABLE_ONLY = ("layerskip", "mtp_chain", "mtp_tree", "mtp_parallel")  # need a decoder-layer family (not GPT-2)
@@ -288,6 +483,58 @@ def target_specs(draw, vocab: int, window: int = WIDE_WINDOW, drivable: bool = F
                               max_size=layers).filter(lambda t: "sliding_attention" in t))
         spec.update(layer_types=tuple(types), sliding_window=draw(st.integers(2, 6)))
     return TargetSpec(**spec)
+
+
+@st.composite
+def gemma4_specs(draw, vocab: int, window: int = WIDE_WINDOW):
+    """A tiny target of method ``gemma4_assistant``: Gemma 4 (most often), Gemma 4 Unified or Gemma 3n, 1-4 layers
+    of random types (the last one full attention: Gemma 4 forces it, and every assistant has one), a sliding window
+    of 2-6 tokens, the last ``kv_shared`` layers reusing KV (as many as leave a layer computing KV for each type)."""
+    arch = draw(st.sampled_from(["gemma4", "gemma4", "gemma4_unified", "gemma3n"]))
+    layers = draw(st.integers(1, 4))
+    types = draw(st.lists(st.sampled_from(LAYER_TYPES), min_size=layers - 1, max_size=layers - 1))
+    types = tuple(types) + ("full_attention",)
+    most_shared = max(s for s in range(layers) if set(types[:layers - s]) == set(types))
+    spec = dict(arch=arch, vocab=vocab, hidden=draw(st.sampled_from([16, 32, 48])), layers=layers,
+                kv_heads=draw(st.sampled_from([1, 2, 4])), seed=draw(st.integers(0, 3)), window=window,
+                layer_types=types, sliding_window=draw(st.integers(2, 6)),
+                kv_shared=draw(st.integers(0, most_shared)), agree=draw(st.sampled_from([0.05, 0.05, 1.0])))
+    if arch != "gemma3n":
+        spec.update(global_head_dim=draw(st.sampled_from([8, 16])),
+                    global_kv_heads=draw(st.sampled_from([0, 0, 1, 2])))
+    if arch == "gemma4":  # no per-layer inputs only without KV sharing: transformers 5.24's Gemma 4 then fails
+        # a prefill with logits_to_keep (Gemma4TextModel._maybe_slice_kv_shared_inputs slices per_layer_inputs=None)
+        spec["per_layer"] = draw(st.sampled_from([0, 4])) if spec["kv_shared"] == 0 else 4
+    return TargetSpec(**spec)
+
+
+@st.composite
+def gemma4_assistants(draw, spec: TargetSpec):
+    """A Gemma 4 assistant for the target of ``spec`` (:func:`build_gemma4_assistant`): 1 or 2 layers of types the
+    target shares KV of (the last one full attention), often the oracle, its sliding window the target's or 3."""
+    types = draw(st.sampled_from([("full_attention",), ("full_attention", "full_attention")] +
+                                 ([("sliding_attention", "full_attention")]
+                                  if "sliding_attention" in spec.layer_types else [])))
+    oracle = spec.arch != "gemma3n" and draw(st.sampled_from([True, True, False]))
+    ordered = draw(st.sampled_from([0, 0, 1, 3])) if spec.arch == "gemma4" else 0
+    return build_gemma4_assistant(spec, types, spec.hidden if oracle else draw(st.sampled_from([16, spec.hidden])),
+                                  window=draw(st.sampled_from([spec.sliding_window, 3])), oracle=oracle,
+                                  ordered=ordered, seed=draw(st.integers(0, 2)))
+
+
+@st.composite
+def universal_drafters(draw, spec: TargetSpec):
+    """``(drafter, the target's tokenizer, the drafter's tokenizer)`` for method ``universal``: the drafter's
+    tokenizer is :func:`drafter_tokenizer` of the target's characters, the drafter the target's twin over it (most
+    drafts accepted) or another tiny random model of its vocabulary."""
+    vocab_key = (spec.vocab, draw(st.integers(0, 3)), draw(st.sampled_from([0, 0, 2, 6])),
+                 draw(st.sampled_from([0, 0, 0, 2])))
+    tok, table = drafter_tokenizer(*vocab_key)
+    if draw(st.sampled_from(["twin", "twin", "other"])) == "twin":
+        drafter = build_twin(spec, vocab_key, seed=draw(st.integers(0, 2)))
+    else:
+        drafter = build_target(draw(target_specs(len(table))))
+    return drafter, target_tokenizer(spec.vocab), tok
 
 
 @st.composite
@@ -322,6 +569,8 @@ def method_options(draw, variant: str, spec: TargetSpec):
     """The options of one ``variant`` of :data:`VARIANTS`, its drafter (if any) built for the target of ``spec``."""
     if variant == "plain":  # no options: the loop without drafts
         return {}
+    if variant == "auto":
+        return draw(auto_options(spec))
     opts = {"draft_length_schedule": draw(SCHEDULES)}
     if variant == "prompt_lookup":
         opts.update(prompt_lookup_num_tokens=draw(st.sampled_from([None, 1, 3, 8])),
@@ -411,10 +660,53 @@ def method_options(draw, variant: str, spec: TargetSpec):
         else:
             opts.update(tree_top_k=draw(st.integers(1, 3)), tree_depth=draw(st.integers(1, 3)),
                         tree_total_tokens=draw(st.sampled_from([None, 2, 4, 7])))
+    elif variant == "gemma4_assistant":
+        opts["drafter"] = draw(gemma4_assistants(spec))
+        opts.update(num_speculative_tokens=draw(st.sampled_from([None, 1, 2, 4])),
+                    tree_width=draw(st.sampled_from([None, 1, 2, 3])))
+    elif variant == "universal":
+        opts["drafter"], opts["tokenizer"], opts["assistant_tokenizer"] = draw(universal_drafters(spec))
+        # one drafter token makes no target draft unless its text is complete (the last target token is held back)
+        opts.update(num_speculative_tokens=draw(st.sampled_from([None, 1, 2, 3, 6])),
+                    draft_vocab=draw(st.sampled_from([None, "shared", "full"])))
     elif variant not in ("suffix", "prompt_lookup"):
         raise ValueError(variant)
     if variant in HYBRID_VARIANTS:  # now and then with a drafter-free source in the same proposals
         opts["hybrid"] = draw(st.sampled_from([None, None, "suffix", "prompt_lookup"]))
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+@st.composite
+def auto_options(draw, spec: TargetSpec):
+    """Method ``auto``: transformers' own arguments of one kind (each selects a method), with or without the
+    assistant's draft-length fields: an assistant (the target itself or another model: ``assisted``), one with
+    another tokenizer (``universal``), a DFlash assistant (``speculation_type="dflash"``), prompt lookup, early exit
+    where the target can run in pieces (``layerskip``); a Gemma 4 assistant for a Gemma 4 / 3n target
+    (``gemma4_assistant``, the only kind drawn for those)."""
+    kinds = ["assistant", "universal", "dflash", "prompt_lookup"]
+    if spec.arch != "gpt2" and spec.layers > 1:
+        kinds.append("early_exit")
+    kind = "gemma4" if spec.arch in GEMMA4_ARCHS else draw(st.sampled_from(kinds))
+    opts = {}
+    if kind == "gemma4":
+        opts["assistant_model"] = draw(gemma4_assistants(spec))
+    elif kind == "assistant":
+        opts["assistant_model"] = build_target(spec) if draw(st.booleans()) else \
+            build_target(draw(target_specs(spec.vocab)))
+    elif kind == "universal":
+        opts["assistant_model"], opts["tokenizer"], opts["assistant_tokenizer"] = draw(universal_drafters(spec))
+    elif kind == "dflash":
+        opts.update(speculation_type="dflash", assistant_model=build_dflash(
+            spec, 1, (draw(st.integers(0, spec.layers - 1)),), draw(st.integers(2, 4)),
+            mask_token_id=draw(st.integers(0, spec.vocab - 1)), sliding=False, seed=draw(st.integers(0, 2))))
+    elif kind == "prompt_lookup":
+        opts.update(prompt_lookup_num_tokens=draw(st.integers(1, 8)),
+                    max_matching_ngram_size=draw(st.sampled_from([None, 1, 3])))
+    else:
+        opts["assistant_early_exit"] = draw(st.integers(1, spec.layers - 1))
+    opts.update(num_assistant_tokens=draw(st.sampled_from([None, 2, 4])),
+                num_assistant_tokens_schedule=draw(st.sampled_from([None, "constant", "heuristic"])),
+                assistant_confidence_threshold=draw(st.sampled_from([None, None, 0.3])))
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -430,7 +722,10 @@ def scenarios(draw, variant: str):
     max_new = draw(st.integers(1, MAX_NEW))
     slack = draw(st.sampled_from([None] * 6 + [0, 1, -1]))
     window = WIDE_WINDOW if slack is None else int(mask.sum(1).max()) + max_new + slack
-    spec = draw(target_specs(vocab, window, drivable=variant in DRIVABLE_ONLY))
+    if variant == "gemma4_assistant" or (variant == "auto" and draw(st.sampled_from([False] * 4 + [True]))):
+        spec = draw(gemma4_specs(vocab, window))
+    else:
+        spec = draw(target_specs(vocab, window, drivable=variant in DRIVABLE_ONLY))
     return dict(spec=spec, ids=ids, mask=mask, max_new=max_new,
                 eos=draw(st.sampled_from(["none", "likely", "list"])), eos_pick=draw(st.integers(0, 10 ** 6)),
                 pad=draw(st.sampled_from([None, EOS])),  # None: the config's pad id (0); EOS: GPT-2's habit

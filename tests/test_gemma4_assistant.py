@@ -366,3 +366,24 @@ def test_auto_runs_a_gemma4_assistant(pair, bsz):
         assistant.generation_config.num_assistant_tokens = None
     assert torch.equal(ours.sequences, ref)
     assert ours.speculative_stats["method"] == "gemma4_assistant"
+
+
+# ---------------------------------------------------------------------------------------------------------- bf16
+def test_generates_on_a_bfloat16_target(tmp_path):
+    """Greedy generate() on a bf16 Gemma 4 target, one row and a left-padded batch of two, the assistant (saved in
+    float32) loaded in the target's dtype, as tests/test_dtypes.py does for the other methods: drafts are made and
+    verified in bf16; outputs equal plain decoding only up to rounding, so they are not compared."""
+    from hf_specdec import registry
+
+    target = _gemma4_target()
+    _assistant(target).save_pretrained(tmp_path / "assistant")
+    target = target.to(torch.bfloat16)
+    assistant = registry.load_drafter("gemma4_assistant", str(tmp_path / "assistant"), target)
+    assert {p.dtype for p in assistant.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    for batch in (1, 2):
+        ids, mask = prompts(batch, 12)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, custom_generate=METHOD,
+                              assistant_model=assistant, num_speculative_tokens=3, return_dict_in_generate=True,
+                              **GREEDY)  # on one thread (the module's fixture): bf16 at tiny shapes
+        assert out.sequences.shape == (batch, ids.shape[1] + 8) and out.sequences.dtype == torch.long
+        assert out.speculative_stats["proposed_drafts"] > 0

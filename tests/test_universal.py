@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 import hf_specdec
-from tiny import tiny_model, word_tokenizer
+from tiny import one_thread, tiny_model, word_tokenizer
 
 CORPUS = """The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.
 def add(a, b):
@@ -80,6 +80,17 @@ def _twin(target, perm):
             weight = layer.weight.clone()
             layer.weight[perm] = weight
     return twin
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(request):
+    """Tiny models on one thread (on a busy 2-core machine two threads wait for each other's time slices: this file
+    took 2 minutes instead of 12 s); the real pair of the slow test keeps torch's threads."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +263,39 @@ def test_smollm2_with_gemma3_drafter():
         assert torch.equal(out.sequences, ref)
         stats = out.speculative_stats
         assert stats["acceptance_length"] > 1.0 and stats["accepted_drafts"] > 0, stats
+
+
+@pytest.mark.parametrize("form", ["callable", "folder"])
+def test_auto_runs_transformers_universal_call(pair, form):
+    """transformers' call generate(assistant_model=, tokenizer=, assistant_tokenizer=) plus custom_generate='auto':
+    this method, with transformers' own output."""
+    target, tok, drafter, dtok = pair
+    ids, mask = _inputs(tok, 1)
+    kw = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id,
+              assistant_model=drafter, tokenizer=tok, assistant_tokenizer=dtok)
+    theirs = target.generate(input_ids=ids, attention_mask=mask, **kw)
+    custom = hf_specdec.decoding_method("auto") if form == "callable" else hf_specdec.custom_generate_path("auto")
+    out, stats = _generate(target, tok, 1, custom, trust_remote_code=True, **{k: v for k, v in kw.items()
+                                                                               if k not in ("max_new_tokens",)})
+    assert torch.equal(out, theirs) and stats["method"] == "universal"
+
+
+# ---------------------------------------------------------------------------------------------------------- bf16
+def test_generates_on_a_bfloat16_target(tmp_path):
+    """Greedy generate() on a bf16 target, one row and a left-padded batch of two, the drafter (saved in float32)
+    loaded in the target's dtype, as tests/test_dtypes.py does for the other methods: drafts are made through text and
+    verified in bf16; outputs equal plain decoding only up to rounding, so they are not compared."""
+    from hf_specdec import registry
+
+    tok = word_tokenizer()
+    dtok, perm = _permuted_chars()
+    target = tiny_model("llama", seed=0)
+    _twin(target, perm).save_pretrained(tmp_path / "drafter")
+    target = target.to(torch.bfloat16)
+    drafter = registry.load_drafter("universal", str(tmp_path / "drafter"), target)
+    assert {p.dtype for p in drafter.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    for bsz in (1, 2):  # on one thread (the file's fixture): bf16 at tiny shapes
+        out, stats = _generate(target, tok, bsz, _universal(tok, dtok, num_speculative_tokens=4),
+                               assistant_model=drafter)
+        assert out.shape == (bsz, _inputs(tok, bsz)[0].shape[1] + NEW) and out.dtype == torch.long
+        assert stats["target_forward_passes"] >= 1 and stats["proposed_drafts"] > 0
