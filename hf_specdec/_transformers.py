@@ -76,6 +76,14 @@ def pad_token_tensor(generation_config):
     return getattr(generation_config, "_pad_token_tensor", None)
 
 
+def generation_defaults() -> dict:
+    """The values ``generate()`` gives the generation settings a call and the model leave unset (``num_assistant_tokens``
+    20, ...): they are in the generation config a decoding callable receives. Checked: 5.24.0, 5.25.0."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig()._get_default_generation_params()
+
+
 def supports_logits_to_keep(model) -> bool:
     """Whether ``model.forward`` takes ``logits_to_keep`` (``GenerationMixin._supports_logits_to_keep``).
     Checked: 5.24.0, 5.25.0."""

@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 
 from . import registry
 from .engine import speculative_decode
+from ._transformers import generation_defaults
 from ._transformers_frames import (calling_generate_arguments, generate_arguments_in_flight, tokenizers_in_flight,
                                    unused_generate_arguments)
 from .folders import custom_generate_path
@@ -58,12 +59,14 @@ def _take_options(kwargs: dict, model=None, method: str | None = None) -> dict:
 def _build(method, model, opts: dict, generation_config=None):
     """The call's proposer: ``method``'s options ``opts``, and those of its options that are transformers generation
     settings (:attr:`~hf_specdec.registry.Option.generation_setting`) read from the call's generation config where
-    the call did not give them."""
+    the call did not give them. A value equal to the one ``generate()`` fills in for an unset setting
+    (``num_assistant_tokens=20``...) counts as unset: the config a decoding callable receives holds those."""
     config = generation_config if generation_config is not None else model.generation_config
+    defaults = generation_defaults()
     for option in registry.get(method).options:
         if option.generation_setting and opts.get(option.name) is None:
             value = getattr(config, option.name, None)
-            if value is not None:
+            if value is not None and value != defaults.get(option.name):
                 opts[option.name] = value
     return build_proposer(method, model, **opts)
 
