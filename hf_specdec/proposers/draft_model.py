@@ -170,7 +170,8 @@ class DraftModelProposer(Proposer):
         prefixes = [state.prefix(b) for b in range(bsz)]
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs = [], []
-        lengths, stopped = [k] * bsz, torch.zeros(bsz, dtype=torch.bool, device=state.device)
+        lengths = torch.full((bsz,), k, dtype=torch.long, device=state.device)  # chains cut by `confidence`
+        stopped = torch.zeros(bsz, dtype=torch.bool, device=state.device)
         logits = self._forward(state, tokens, positions, layout.valid[:, :past], layout.positions[:, :past], attends)
         for i in range(k):
             if i > 0:
@@ -185,14 +186,14 @@ class DraftModelProposer(Proposer):
             if state.do_sample:
                 probs.append(p)
             drafts.append(nxt)
-            if self.confidence is not None:  # a chain ends after its first unlikely draft
+            if self.confidence is not None:  # a chain ends after its first unlikely draft (one read per draft)
                 unsure = ~stopped & (p.gather(1, nxt[:, None])[:, 0] < self.confidence)
-                for b in unsure.nonzero()[:, 0].tolist():
-                    lengths[b] = i + 1
+                lengths = torch.where(unsure, i + 1, lengths)
                 stopped |= unsure
                 if bool(stopped.all()):
                     break
         k = len(drafts)
+        lengths = lengths.tolist() if self.confidence is not None else [k] * bsz
         self.fed = k  # the root and drafts[:k-1] were added beyond the committed columns
         drafts_t = torch.stack(drafts, dim=1)
         self.fed_tokens = torch.cat([roots[:, None], drafts_t[:, :k - 1]], dim=1)
