@@ -270,10 +270,10 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
     evaluating = [0.0, 0.0]  # wall and CPU seconds spent evaluating in this run: not training time
 
     def run_evals():
-        start, cpu = time.perf_counter(), time.process_time()
+        start, cpu, spent = time.perf_counter(), time.process_time(), clocks()  # the training time so far
         for name, data in eval_sets.items():
             scores = evaluate(model, data, config.batch_size)
-            log({f"{name}/{k}": v for k, v in scores.items()} | {"step": step, **clocks()})
+            log({f"{name}/{k}": v for k, v in scores.items()} | {"step": step, **spent})
         evaluating[0] += time.perf_counter() - start
         evaluating[1] += time.process_time() - cpu
 
