@@ -470,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="dflash: block size")
     p.add_argument("--num-anchors", type=int, default=16, help="dflash: blocks per sequence per step")
     p.add_argument("--epochs", type=float, default=2.0, help="passes over the data")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps "
-                   "(default: as many as --epochs takes; 0: only evaluate an --init-from drafter on --eval-features)")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help="stop after this many optimizer steps; 0: only evaluate an --init-from drafter on "
+                        "--eval-features (default: as many as --epochs takes)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--batch-size", type=int, default=2,
                    help="sequences per micro-batch, per process under 'accelerate launch' (global batch: processes x "

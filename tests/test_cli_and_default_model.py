@@ -110,6 +110,8 @@ def test_help_shows_choices_and_defaults(capsys, monkeypatch):
         "regenerate": [f"--dtype {dtypes}", "(default: bfloat16)", "(default: 500)", "(default: 300)",
                        "(default: 160)", "(default: 64)"],
         "convert": [f"--dtype {dtypes}", "(default: as published)", "(default: auto)"],
+        "data": ["{build}", "--answers {original,regenerated}", "(default: original)", "(default: 200)",
+                 "(default: 384)", "(default: 256)", "--part I/N"],
         "install-hub-cache": ["--methods M1,M2", "(default: every registered method)", "(default: hf_specdec)"],
         "publish-hub": ["--methods M1,M2", "(default: every registered method)", "(default: hf_specdec)"],
         "methods": ["--markdown", "--write-folders"],
