@@ -593,7 +593,7 @@ def _regenerate(args) -> int:
 
 
 def _data(args) -> int:
-    from .training.corpus import build_corpus
+    from .training.corpus import build_corpus, training_files
 
     device = "cuda" if _cuda() else "cpu"
     model, tok = _load_model(args.target, "float32", device)
@@ -604,9 +604,9 @@ def _data(args) -> int:
                        heldout_limit=args.heldout_limit or None, max_length=args.max_length,
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, generator=generator,
                        data_path=args.data, seed=args.seed, part=args.part)
-    print(f"corpus -> {out}; train with: hf-specdec train eagle3 --data {out}/"
-          f"{'train-regen' if args.answers == 'regenerated' else 'train'}.json --features {out}/features-train "
-          f"--eval-features {out}/features-heldout --samples 1000000 --out runs/eagle3")
+    data, features, heldout = training_files(out)
+    print(f"corpus -> {out}; train with: hf-specdec train eagle3 --data {data} --features {features} "
+          f"--eval-features {heldout} --samples 1000000 --out runs/eagle3")
     return 0
 
 

@@ -72,7 +72,7 @@ def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: i
 class FeatureShards(torch.utils.data.Dataset):
     """Sequences from cached shards: ``dict(input_ids, loss_mask, features, last)`` per sample. Several folders
     (written with the same taps) read as one dataset, in order. At most :attr:`SHARDS_IN_MEMORY` shards are held
-    (the trainer's :class:`.trainer.ShardWindowShuffle` reads 4 at a time)."""
+    (the trainer's :class:`.trainer.ShardWindowShuffle` reads that many at a time)."""
 
     SHARDS_IN_MEMORY = 4
 

@@ -114,12 +114,13 @@ def _collate_pad(batch: list[dict]) -> dict:
 class ShardWindowShuffle(torch.utils.data.Sampler):
     """A shuffled order that reads a large feature cache as a stream: the shards in a random order, ``window`` at a
     time, the samples of each window shuffled together (``dataset.shard_ranges()``: ``(start, end)`` sample indices
-    of each shard). Only ``window`` shards need be in memory; the order depends on ``generator``'s seed alone."""
+    of each shard; ``window`` defaults to ``dataset.SHARDS_IN_MEMORY``). Only ``window`` shards need be in memory;
+    the order depends on ``generator``'s seed alone."""
 
-    def __init__(self, dataset, generator: torch.Generator, window: int = 4):
+    def __init__(self, dataset, generator: torch.Generator, window: int | None = None):
         self.ranges = dataset.shard_ranges()
         self.generator = generator
-        self.window = window
+        self.window = window or dataset.SHARDS_IN_MEMORY  # the shards the dataset keeps in memory
 
     def __len__(self):
         return sum(end - start for start, end in self.ranges)
