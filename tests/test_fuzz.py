@@ -15,10 +15,10 @@ Invalid draws that the library refuses on purpose are checked as such, not compa
 ``max_new_tokens`` past the target's context window (``max_position_embeddings``) raises a ``ValueError`` naming the
 window (plain ``generate()`` would run RoPE models past their trained length and index past GPT-2's position table).
 
-One test case per method variant (every registered built-in method; EAGLE-3 and Medusa as a tree and as a chain),
-each with ``EXAMPLES_PER_VARIANT`` derandomized draws (the same on every run), so the test takes 20-40 s on two CPU cores; the
-built targets and drafters are cached per drawn configuration. For a longer search, raise ``EXAMPLES_PER_VARIANT``
-(and drop ``derandomize``) locally.
+One test case per method variant (every registered built-in method; EAGLE-3, DFlash and Medusa as a tree and as a
+chain), each with ``EXAMPLES_PER_VARIANT`` derandomized draws (the same on every run), so the test takes 20-40 s on
+two CPU cores; the built targets and drafters are cached per drawn configuration. For a longer search, raise
+``EXAMPLES_PER_VARIANT`` (and drop ``derandomize``) locally.
 
 What the draws do not reach: batch compaction (it needs more than 32 cache holes, i.e. long generations;
 tests/test_lossless.py covers it), sampling (tests/test_sampling.py) and ``auto``'s ``use_mtp=True`` (it needs a
@@ -76,7 +76,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 WIDE_WINDOW = 512  # the context window of most drawn targets: never reached
 MAX_PROMPT = 10
 MAX_NEW = 12
-EXAMPLES_PER_VARIANT = 10  # 170 draws in all
+EXAMPLES_PER_VARIANT = 10  # 180 draws in all
 
 
 # ------------------------------------------------------------------------------------------------ tiny models
@@ -457,14 +457,15 @@ def build_twin(target_spec: TargetSpec, vocab_key: tuple, seed: int = 0):
 
 
 # ------------------------------------------------------------------------------------------------ strategies
-# what each test case runs: every built-in method, EAGLE-3, Medusa and MTP with their draft shapes
+# what each test case runs: every built-in method, EAGLE-3, DFlash, Medusa and MTP with their draft shapes
 VARIANTS = {"prompt_lookup": "prompt_lookup", "assisted": "assisted", "eagle3_tree": "eagle3",
-            "eagle3_chain": "eagle3", "dflash": "dflash", "medusa_tree": "medusa", "medusa_chain": "medusa",
-            "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp", "mtp_parallel": "mtp", "suffix": "suffix",
+            "eagle3_chain": "eagle3", "dflash": "dflash", "dflash_tree": "dflash", "medusa_tree": "medusa",
+            "medusa_chain": "medusa", "layerskip": "layerskip", "mtp_chain": "mtp", "mtp_tree": "mtp",
+            "mtp_parallel": "mtp", "suffix": "suffix",
             "lookahead": "lookahead", "plain": "plain", "gemma4_assistant": "gemma4_assistant",
             "universal": "universal", "auto": "auto"}
-HYBRID_VARIANTS = ("assisted", "eagle3_tree", "eagle3_chain", "dflash", "medusa_tree", "medusa_chain", "mtp_chain",
-                   "mtp_tree", "mtp_parallel")  # the methods with a hybrid= option
+HYBRID_VARIANTS = ("assisted", "eagle3_tree", "eagle3_chain", "dflash", "dflash_tree", "medusa_tree", "medusa_chain",
+                   "mtp_chain", "mtp_tree", "mtp_parallel")  # the methods with a hybrid= option
 DRIVABLE_ONLY = ("layerskip", "mtp_chain", "mtp_tree", "mtp_parallel")  # need a decoder-layer family (not GPT-2)
 
 
@@ -616,7 +617,7 @@ def method_options(draw, variant: str, spec: TargetSpec):
             opts.update(tree_top_k=draw(st.sampled_from([top_k, None])),
                         tree_depth=draw(st.sampled_from([depth, None])),
                         tree_total_tokens=draw(st.sampled_from([None] + list(range(2, 2 + top_k * depth + 2)))))
-    elif variant == "dflash":
+    elif variant in ("dflash", "dflash_tree"):  # a chain, or a DDTree of 1-12 nodes
         layers = draw(st.integers(1, 2))
         layer_ids = tuple(sorted(draw(st.lists(st.integers(0, spec.layers - 1), min_size=1, max_size=2))))
         block = draw(st.integers(2, 5))
@@ -624,6 +625,7 @@ def method_options(draw, variant: str, spec: TargetSpec):
         opts["drafter"] = build_dflash(spec, layers, layer_ids, block, mask_token_id, sliding=draw(st.booleans()),
                                        seed=draw(st.integers(0, 2)))
         opts["block_size"] = draw(st.sampled_from([None] + list(range(2, block + 1))))
+        opts["tree_budget"] = draw(st.integers(1, 12)) if variant == "dflash_tree" else 0
     elif variant in ("medusa_tree", "medusa_chain"):
         heads = draw(st.integers(1, 4))
         opts["drafter"] = build_medusa(spec, heads, draw(st.integers(1, 3)), draw(st.booleans()),

@@ -85,7 +85,9 @@ def method(name: str, model):
     if name == "eagle3_chain":
         return hf_specdec.decoding_method("eagle3", drafter=_eagle3(), num_speculative_tokens=3, **const)
     if name == "dflash":
-        return hf_specdec.decoding_method("dflash", drafter=_dflash(), **const)
+        return hf_specdec.decoding_method("dflash", drafter=_dflash(), tree_budget=0, **const)
+    if name == "dflash_tree":
+        return hf_specdec.decoding_method("dflash", drafter=_dflash(), tree_budget=6, **const)
     if name == "medusa":
         return hf_specdec.decoding_method("medusa", drafter=_medusa(),
                                           medusa_choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]], **const)
@@ -100,8 +102,8 @@ def method(name: str, model):
     raise KeyError(name)
 
 
-METHODS = ["prompt_lookup", "assisted", "hybrid", "eagle3", "eagle3_chain", "dflash", "medusa", "layerskip", "mtp",
-           "suffix", "lookahead"]
+METHODS = ["prompt_lookup", "assisted", "hybrid", "eagle3", "eagle3_chain", "dflash", "dflash_tree", "medusa",
+           "layerskip", "mtp", "suffix", "lookahead"]
 
 
 def _inputs(bsz):
