@@ -21,7 +21,8 @@ configs = {
     "assisted chain 3": ("assisted", {"num_speculative_tokens": 3}),
     "eagle3 tree 2/3/4": ("eagle3", {"tree_top_k": 2, "tree_depth": 3, "tree_total_tokens": 4}),
     "eagle3 chain 3": ("eagle3", {"num_speculative_tokens": 3}),
-    "dflash block 16": ("dflash", {}),
+    "dflash block 16": ("dflash", {"tree_budget": 0}),  # the chain (the row's meaning before DDTree)
+    "dflash ddtree 15": ("dflash", {"tree_budget": 15}),
 }
 out = {}
 for ds in ("gsm8k", "humaneval", "mtbench"):
