@@ -30,7 +30,7 @@ from .costs import ForwardCostModel
 from .placement import drafter_device
 from .proposers import DraftModelProposer, PromptLookupProposer
 from .proposers.prompt_lookup import MAX_NGRAM, NUM_TOKENS
-from .registry import build_proposer
+from .proposers.build import build_proposer
 from .state import DecodingState
 from .tree import DraftTree
 from .verify import AcceptResult

@@ -13,7 +13,7 @@ change size every step and a dynamic cache grows by a column per token. So, with
   accepted path drops them); the logits and hidden states are sliced back to the ``q`` nodes;
 * the forward is ``torch.compile(model.forward, dynamic=False)``, ``mode="reduce-overhead"`` (CUDA graphs) on a
   GPU, inductor's default mode on a CPU. The prefill, a LayerSkip verification resumed from its early exit and the
-  drafters run eagerly. Compiled once per runner (one per model, :func:`~hf_specdec.runners.runner_for`), so later
+  drafters run eagerly. Compiled once per runner (one per model, :func:`~hf_specdec.runner_choice.runner_for`), so later
   calls reuse the graphs of earlier ones.
 
 On a CPU the CPU kernel runner's products are not used (the compiled forward is the model's own code). In float32
@@ -122,7 +122,7 @@ def _map_masks(mask, fn):
 
 class CompiledRunner(TargetRunner):
     """Runs the target's verification forwards through ``torch.compile`` at bucket sizes over a static cache
-    (module docstring). Chosen by :func:`~hf_specdec.runners.runner_for` with ``compile=True``; one per model, kept
+    (module docstring). Chosen by :func:`~hf_specdec.runner_choice.runner_for` with ``compile=True``; one per model, kept
     across calls with its compiled forward and measured costs."""
 
     name = "compiled"

@@ -93,7 +93,7 @@ def demo_prompts() -> list[tuple[str, str]]:
 
 def half_verdict(model, rounding: str = "auto") -> str:
     """What the exactness probe says of ``model`` in its half-precision dtype on this machine (one row)."""
-    from .runners import runner_for
+    from .runner_choice import runner_for
 
     if runner_for(model).exact_bits(rounding):
         return f"probed: one row verifies with the bits of {dtype_name(model.dtype)} one-token steps (bit-identical)"

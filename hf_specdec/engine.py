@@ -42,7 +42,8 @@ from .coupling import CoupledNoise, apply_warpers, call_seed, seeded
 from .dtypes import HALF
 from .proposers.base import Proposer
 from .rows import RowBook, Stopper
-from .runners import TargetRunner, call_lock, runner_for
+from .runner_choice import runner_for
+from .runners import TargetRunner, call_lock
 from .state import DecodingState
 from .syncs import to_device
 from .timing import StepTimer
@@ -221,7 +222,7 @@ def speculative_decode(
 ):
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
 
-    ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runners.runner_for`'s choice for
+    ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runner_choice.runner_for`'s choice for
     the model); ``rounding`` is the ``rounding`` option (half precision; ``"auto"`` runs as ``"fast"`` where the probe
     says it would not be bit-identical, :meth:`~hf_specdec.runners.TargetRunner.rounding_for`); ``prompt_streamed``:
     ``streamer`` has the prompt already. When sampling, ``speculative_sampling`` is ``"coupled"`` (default: the text

@@ -13,7 +13,7 @@ Three ways, one code path, every method and option read from the registry (:mod:
   ``generate()`` (:class:`_DecodingMethod`).
 * the same from ``pipeline("text-generation", ...)(prompt, custom_generate=..., trust_remote_code=True, ...)``.
 
-The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :func:`~hf_specdec.runners.runner_for`.
+The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :func:`~hf_specdec.runner_choice.runner_for`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from ._transformers_frames import (calling_generate_arguments, generate_argument
                                    unused_generate_arguments)
 from .folders import custom_generate_path
 from .proposers import Proposer
-from .registry import available_methods, build_proposer
-from .runners import runner_for
+from .proposers.build import build_proposer
+from .registry import available_methods
+from .runner_choice import runner_for
 
 __all__ = ["available_methods", "build_proposer", "custom_generate_path", "decoding_method", "generate_with_method"]
 
@@ -77,7 +78,7 @@ def _split_loop_options(opts: dict) -> dict:
 
 
 def _runner(model, loop: dict):
-    """The call's target runner (:func:`~hf_specdec.runners.runner_for`); pops the ``compile`` option from ``loop``,
+    """The call's target runner (:func:`~hf_specdec.runner_choice.runner_for`); pops the ``compile`` option from ``loop``,
     which chooses the compiled runner."""
     return runner_for(model, compile=bool(loop.pop("compile", False)))
 

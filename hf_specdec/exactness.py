@@ -14,7 +14,7 @@ is probed once per model; every half-precision call reports it as ``speculative_
 
 Example::
 
-    from hf_specdec.runners import runner_for
+    from hf_specdec.runner_choice import runner_for
 
     runner_for(model).exact_bits("auto")   # True: verification rounds as plain decoding; False: up to rounding
     out = model.generate(**inputs, custom_generate=hf_specdec.decoding_method("eagle3"), return_dict_in_generate=True)

@@ -11,8 +11,8 @@ does. On a CPU two library paths break that for the small ``q`` a verification u
   into the query length instead (what transformers already does for a single query token) leaves the cache where
   it is.
 
-:class:`CpuKernelRunner` is the :class:`~hf_specdec.runners.TargetRunner` that uses both: :func:`runner_for` picks it
-for every target on the CPU (``HF_SPECDEC_VERIFY_KERNELS=0`` or ``runner_for(model, kernels=False)`` turn it off),
+:class:`CpuKernelRunner` is the :class:`~hf_specdec.runners.TargetRunner` that uses both:
+:func:`~hf_specdec.runner_choice.runner_for` picks it for every target on the CPU (``HF_SPECDEC_VERIFY_KERNELS=0`` or ``runner_for(model, kernels=False)`` turn it off),
 because there it is what makes a 2-4-token verification cheaper than the model's own one-token step (the forward-cost
 curves in benchmarks/RESULTS.md). It keeps its timing cache on the runner, one per model, and installs
 :class:`VerifyKernels` for each call: the kernels run for the forwards the session marks as verification (``q >= 2``)
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ._transformers import attention_implementation, switch_attention
 from .costs import _CPU_HALF_PRIOR, _CPU_PRIOR
 from .dtypes import HALF
-from .runners import TargetRunner, TargetSession, device_type_of, runner_for
+from .runners import TargetRunner, TargetSession, device_type_of, kept_runner
 
 ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
@@ -521,7 +521,7 @@ def padded_plain_decoding(model):
         with padded_plain_decoding(model):
             out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
     """
-    runner = runner_for(model, kernels=True)
+    runner = kept_runner(model, CpuKernelRunner)
     # no exact half-precision rounding: plain decoding's own attention and prefill (only its products change)
     kernels = VerifyKernels(model, choice=getattr(runner, "choice", None), rounding="fast")
     with kernels, kernels.drafting():

@@ -379,21 +379,6 @@ def all_option_names() -> list[str]:
     return list(dict.fromkeys(name for m in methods() for name in m.option_names))
 
 
-def build_proposer(method: str, model, **opts):
-    """The proposer of ``method`` for target ``model``; ``opts`` are the method's keyword arguments (``None``: not
-    given). A drafter given as a path or Hub id is loaded once per target (:func:`load_drafter`)."""
-    record = get(method)
-    resolved = record.resolve(opts)
-    if record.drafter is not None:
-        resolved["drafter"] = load_drafter(record, resolved["drafter"], model, resolved)
-    proposer = record.build(model, resolved)
-    if resolved.get("hybrid") is not None:  # a model drafter with a drafter-free source (proposers/hybrid.py)
-        from .proposers.hybrid import wrap
-
-        proposer = wrap(proposer, resolved["hybrid"])
-    return proposer
-
-
 def parse_spec(spec: str) -> tuple[Method, dict]:
     """A method string ``NAME[:ARG][:KEY=VALUE...]`` (``bench --methods``; ``NAME`` a method or one of its
     shorthands, ``ARG`` the shorthand's argument) -> ``(method, options)``."""

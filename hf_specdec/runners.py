@@ -3,16 +3,17 @@
 The loop never calls the target itself. Per ``generate`` call it opens a :class:`TargetSession` from a
 :class:`TargetRunner` and goes through it for the prefill, every verification of a draft tree and the cost
 calibration; the session also brackets every proposal (:meth:`TargetSession.drafting`). A runner lives across calls
-(one per model and kind, :func:`runner_for`): it keeps the measured forward costs per batch size, and a backend may
+(one per model and kind, :func:`kept_runner`): it keeps the measured forward costs per batch size, and a backend may
 keep its own state there (the CPU kernel runner's timing cache).
 
 Backend speed tricks are runners of their own: :class:`hf_specdec.kernels.CpuKernelRunner` (small-row products and
 grouped-query attention without copying the cache, for CPU targets) is the one there is today. The entry points
-choose the runner (:func:`runner_for`); the loop and the proposers know only this interface.
+choose the runner once per call (:func:`hf_specdec.runner_choice.runner_for`, the one module that knows the
+implementations) and hand it down; the loop and the proposers know only this interface.
 
 Example::
 
-    runner = runner_for(model)                      # CpuKernelRunner on a CPU, TargetRunner elsewhere
+    runner = runner_for(model)                      # (runner_choice) CpuKernelRunner on a CPU, TargetRunner elsewhere
     with runner.session(cache, hidden_states=[2, 15, 27]) as target:
         first_logits, hidden = target.prefill(input_ids, attention_mask, positions)
         ...
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import weakref
 
@@ -219,7 +219,7 @@ class TargetSession:
 class TargetRunner:
     """Runs a target model for the decoding loop with the model's own code path.
 
-    Kept across ``generate`` calls (:func:`runner_for`): it holds the measured forward costs of its model, one
+    Kept across ``generate`` calls (:func:`kept_runner`): it holds the measured forward costs of its model, one
     :class:`~hf_specdec.costs.ForwardCostModel` per device type, dtype and batch size. A backend subclass sets
     :attr:`session_class` (and :attr:`cost_prior`) and keeps its own state on the instance.
     """
@@ -326,21 +326,10 @@ def call_lock(obj) -> threading.RLock:
     return lock
 
 
-def runner_for(model, kernels: bool | None = None, compile: bool = False) -> TargetRunner:
-    """The runner for ``model``: :class:`~hf_specdec.kernels.CpuKernelRunner` for a model on the CPU, else
-    :class:`TargetRunner`; ``kernels=False`` (or ``HF_SPECDEC_VERIFY_KERNELS=0`` when ``kernels`` is ``None``, read
-    here, at the entry point) takes the plain runner everywhere; ``compile=True`` (the ``compile`` option) takes
-    :class:`~hf_specdec.compiled.CompiledRunner` on any device. One runner per model and kind is kept, so later
-    calls reuse what earlier ones measured (and compiled)."""
-    from .compiled import CompiledRunner
-    from .kernels import CpuKernelRunner
-
-    if kernels is None:
-        kernels = os.environ.get(KERNELS_ENV, "1") != "0"
-    if compile:
-        cls = CompiledRunner
-    else:
-        cls = CpuKernelRunner if kernels and CpuKernelRunner.applies_to(model) else TargetRunner
+def kept_runner(model, cls: type) -> TargetRunner:
+    """The one runner of class ``cls`` kept for ``model`` (made on first use), so later calls reuse what earlier
+    ones measured (and compiled); a model that cannot be weakly referenced gets a fresh runner per call. Which class a
+    call runs is chosen above this module (:func:`hf_specdec.runner_choice.runner_for`)."""
     with _LOCK:  # WeakKeyDictionary.setdefault and the check-then-fill below are not atomic: one runner per model
         try:
             per_model = _RUNNERS.setdefault(model, {})

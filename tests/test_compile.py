@@ -13,7 +13,8 @@ from eagle3_fixtures import H, random_weights
 from hf_specdec import cache as cache_ops
 from hf_specdec.compiled import CompiledRunner, bucket_size
 from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
-from hf_specdec.runners import TargetRunner, runner_for
+from hf_specdec.runner_choice import runner_for
+from hf_specdec.runners import TargetRunner
 from hf_specdec.tree import build_attention_mask
 from tiny import prompts, tiny_model
 

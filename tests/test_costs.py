@@ -197,7 +197,7 @@ def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch, st
     """A random drafter on a batch: the gate turns speculation off after a window of steps, for later calls too,
     and the output is plain greedy decoding's."""
     import hf_specdec
-    from hf_specdec.runners import runner_for
+    from hf_specdec.runner_choice import runner_for
     from tiny import prompts, tiny_model
 
     monkeypatch.setattr(ForwardCostModel, "relative", lambda self, q: 1.0 + 0.1 * (q - 1))  # a forward costs

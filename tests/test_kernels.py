@@ -8,7 +8,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import hf_specdec
 from hf_specdec import kernels
 from hf_specdec.kernels import ATTN_NAME, VerifyKernels
-from hf_specdec.runners import runner_for
+from hf_specdec.runner_choice import runner_for
 from oracles import OracleChain, OracleTree
 from tiny import ARCHS, prompts, tiny_model
 

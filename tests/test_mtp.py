@@ -17,7 +17,7 @@ from hf_specdec.modeling.mtp import (
     ParallelMTPHeads,
     block_config_for,
 )
-from hf_specdec.registry import build_proposer
+from hf_specdec import build_proposer
 from hf_specdec.training.eagle3 import _shift
 from hf_specdec.training.mtp import _depth_mask, mtp_loss
 from tiny import PAD, VOCAB, prompts, tiny_model

@@ -151,7 +151,7 @@ def test_defaults_come_from_the_records():
         "prompt_lookup_num_tokens").default
     assert proposer["max_ngram"].default == generator["max_matching_ngram_size"].default == record.option(
         "max_matching_ngram_size").default
-    built = registry.build_proposer("prompt_lookup", tiny_model("llama"))
+    built = hf_specdec.build_proposer("prompt_lookup", tiny_model("llama"))
     assert (built.num_tokens, built.max_ngram, built.adaptive) == (20, 5, True)
 
 
@@ -210,19 +210,19 @@ def test_a_drafter_given_by_path_is_loaded_once_per_target(tmp_path):
     target, other = tiny_model("llama"), tiny_model("llama", seed=5)
     tiny_model("llama", seed=9, layers=1).save_pretrained(tmp_path / "draft")
     path = str(tmp_path / "draft")
-    first = registry.build_proposer("assisted", target, drafter=path).drafter
-    assert registry.build_proposer("assisted", target, drafter=path).drafter is first
-    assert registry.build_proposer("assisted", other, drafter=path).drafter is not first  # another target
+    first = hf_specdec.build_proposer("assisted", target, drafter=path).drafter
+    assert hf_specdec.build_proposer("assisted", target, drafter=path).drafter is first
+    assert hf_specdec.build_proposer("assisted", other, drafter=path).drafter is not first  # another target
     ids, _ = prompts(1, 12)
     ref = target.generate(ids, **GEN)
     for _ in range(2):
         out = target.generate(ids, **GEN, custom_generate=hf_specdec.decoding_method("assisted"), drafter=path)
         assert torch.equal(out, ref)
-    assert registry.build_proposer("assisted", target, drafter=path).drafter is first
+    assert hf_specdec.build_proposer("assisted", target, drafter=path).drafter is first
     # a folder rewritten in place is read again
     tiny_model("llama", seed=10, layers=1).save_pretrained(tmp_path / "draft")
     os.utime(tmp_path / "draft" / "config.json", ns=(1, 1))
-    assert registry.build_proposer("assisted", target, drafter=path).drafter is not first
+    assert hf_specdec.build_proposer("assisted", target, drafter=path).drafter is not first
     assert len(registry.DRAFTER_CACHE.entries) <= registry.DRAFTER_CACHE.size
 
 

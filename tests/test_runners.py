@@ -7,7 +7,8 @@ import torch
 
 import hf_specdec
 from hf_specdec import engine, kernels, runners
-from hf_specdec.runners import TargetRunner, TargetSession, runner_for
+from hf_specdec.runner_choice import runner_for
+from hf_specdec.runners import TargetRunner, TargetSession
 from oracles import OracleChain, OracleTree
 from tiny import prompts, tiny_model
 

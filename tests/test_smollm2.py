@@ -129,7 +129,7 @@ def test_bf16_verification_gives_every_tree_node_its_one_token_step_bits(smollm2
     not with AVX512-BF16 alone, whose products over several rows of the 1536-wide MLP input round otherwise)."""
     from hf_specdec import default_model
     from hf_specdec.exactness import probe_exact_bits
-    from hf_specdec.runners import runner_for
+    from hf_specdec.runner_choice import runner_for
 
     model, _ = default_model.load_smollm2(dtype=torch.bfloat16, verbose=False)  # smollm2: skips without the wheel
     runner = runner_for(model)

@@ -12,7 +12,7 @@ import hf_specdec
 from hf_specdec import SuffixCache
 from hf_specdec.proposers.hybrid import HybridProposer, _merge
 from hf_specdec.proposers.suffix import SuffixProposer
-from hf_specdec.registry import build_proposer
+from hf_specdec import build_proposer
 from tiny import prompts, tiny_model
 
 MAX_NEW = 32

@@ -15,7 +15,8 @@ from hf_specdec import kernels, registry
 from hf_specdec.hub_cache import write_cached_repo
 from hf_specdec.kernels import ATTN_NAME, VerifyKernels, _LinearChoice
 from hf_specdec.proposers.prompt_lookup import PromptLookupProposer
-from hf_specdec.runners import call_lock, runner_for
+from hf_specdec.runner_choice import runner_for
+from hf_specdec.runners import call_lock
 from tiny import prompts, tiny_model
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

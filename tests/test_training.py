@@ -147,7 +147,9 @@ def test_ttt_loss_shapes():
 
 def test_regenerated_answers_come_from_the_target(tok, conversations):
     target = tiny_model("llama", layers=2, hidden=32)
-    regen = data_mod.regenerate(target, tok, conversations[:3], max_new_tokens=6, batch_size=2, progress=False)
+    from hf_specdec.training import regenerate as regen_mod
+
+    regen = regen_mod.regenerate(target, tok, conversations[:3], max_new_tokens=6, batch_size=2, progress=False)
     assert len(regen) >= 1
     for conv in regen:
         assert [t["role"] for t in conv] == ["user", "assistant"]

@@ -89,7 +89,7 @@ from .. import registry
 from ..dtypes import dtype_name
 from ..entry import decoding_method
 from ..kernels import padded_plain_decoding
-from ..runners import runner_for
+from ..runner_choice import runner_for
 from ..syncs import SyncCounter
 from . import load as load_mod
 from .data import DATASETS, load
@@ -346,7 +346,7 @@ def build_methods(names: list[str], drafter=None, **drafters) -> list[BenchMetho
 def forward_cost_curve(model, input_ids, sizes, reps: int = 5, kernels: bool | None = None) -> dict[int, float]:
     """Median time (ms) of a forward over q new tokens after a prefill of ``input_ids`` (sizes interleaved), fed as
     the decoding loop feeds a verification: a 4D mask, through the target runner the loop would use
-    (:func:`~hf_specdec.runners.runner_for`: the CPU kernel runner on a CPU unless ``kernels=False`` or
+    (:func:`~hf_specdec.runner_choice.runner_for`: the CPU kernel runner on a CPU unless ``kernels=False`` or
     ``HF_SPECDEC_VERIFY_KERNELS=0``), with the rounding a call with the default ``rounding`` runs."""
     from transformers import DynamicCache
 

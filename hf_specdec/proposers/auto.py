@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 from ..draft_models import load_draft_model
-from ..registry import DrafterSpec, Method, Option, build_proposer
+from ..registry import DrafterSpec, Method, Option
+from .build import build_proposer
 
 GEMMA4_ASSISTANTS = ("Gemma4Assistant", "Gemma4UnifiedAssistant")  # class name prefixes transformers checks
 TRANSFORMERS_NGRAM = 2  # transformers' prompt lookup default for max_matching_ngram_size

