@@ -42,7 +42,6 @@ from .coupling import CoupledNoise, apply_warpers, call_seed, seeded
 from .dtypes import HALF
 from .proposers.base import Proposer
 from .rows import RowBook, Stopper
-from .runner_choice import runner_for
 from .runners import TargetRunner, call_lock
 from .state import DecodingState
 from .syncs import to_device
@@ -211,8 +210,8 @@ def speculative_decode(
     stopping_criteria: StoppingCriteriaList,
     generation_config,
     proposer: Proposer,
+    runner: TargetRunner,
     streamer=None,
-    runner: TargetRunner | None = None,
     rounding: str | None = None,
     prompt_streamed: bool = False,
     speculative_sampling: str | None = None,
@@ -222,13 +221,14 @@ def speculative_decode(
 ):
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
 
-    ``runner`` runs the target (:mod:`hf_specdec.runners`; default: :func:`~hf_specdec.runner_choice.runner_for`'s choice for
-    the model); ``rounding`` is the ``rounding`` option (half precision; ``"auto"`` runs as ``"fast"`` where the probe
-    says it would not be bit-identical, :meth:`~hf_specdec.runners.TargetRunner.rounding_for`); ``prompt_streamed``:
-    ``streamer`` has the prompt already. When sampling, ``speculative_sampling`` is ``"coupled"`` (default: the text
-    is a function of the seed, the same for every method; :mod:`hf_specdec.coupling`) or ``"rejection"`` (exact
-    speculative sampling, the most accepted drafts, from torch's generator); ``seed`` / ``generator`` give the
-    call's seed (default: one draw from torch's global generator; ``speculative_stats["seed"]`` reports it).
+    ``runner`` runs the target (:mod:`hf_specdec.runners`; the entry point chose it once for the call,
+    :func:`~hf_specdec.runner_choice.runner_for`); ``rounding`` is the ``rounding`` option (half precision;
+    ``"auto"`` runs as ``"fast"`` where the probe says it would not be bit-identical,
+    :meth:`~hf_specdec.runners.TargetRunner.rounding_for`); ``prompt_streamed``: ``streamer`` has the prompt
+    already. When sampling, ``speculative_sampling`` is ``"coupled"`` (default: the text is a function of the seed,
+    the same for every method; :mod:`hf_specdec.coupling`) or ``"rejection"`` (exact speculative sampling, the most
+    accepted drafts, from torch's generator); ``seed`` / ``generator`` give the call's seed (default: one draw from
+    torch's global generator; ``speculative_stats["seed"]`` reports it).
 
     Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
     ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half
@@ -237,7 +237,6 @@ def speculative_decode(
     whose verification is not made to round as one row's; ``None`` in float32, where the output is identical anyway).
     """
     t_start = time.perf_counter()
-    runner = runner if runner is not None else runner_for(model)
     logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
     stopping_criteria = stopping_criteria if stopping_criteria is not None else StoppingCriteriaList()
     attention_mask = model_kwargs.get("attention_mask")
