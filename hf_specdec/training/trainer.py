@@ -16,18 +16,12 @@ import json
 import math
 import re
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-
-_PROCESSES = 1  # the data-parallel processes of the running train() calls (see mean_denominator)
-_RUNNING = 0  # train() calls running in this process (threads): the last one to end sets _PROCESSES back to 1
-_RUNNING_LOCK = threading.Lock()
-
 
 def mean_denominator(count: torch.Tensor, floor: float | None = 1) -> torch.Tensor:
     """What a loss summed over this process's micro-batch is divided by to be its share of the mean over the global
@@ -38,12 +32,21 @@ def mean_denominator(count: torch.Tensor, floor: float | None = 1) -> torch.Tens
     them (an all-reduce: every process must call this as often, with the same shape), clamped, divided by ``N``:
     DDP / DeepSpeed averages the gradients over the processes, which turns ``local_sum * N / global_count`` into
     the global mean, whatever the token counts of the shards. Metrics divided by it are reduced by their mean over
-    the processes (:func:`train` does)."""
-    if _PROCESSES == 1:
+    the processes (:func:`train` does). The process count is the process group's (:func:`processes`): no state
+    of this module's."""
+    n = processes()
+    if n == 1:
         return count if floor is None else count.clamp(min=floor)
     total = count.detach().clone()
     torch.distributed.all_reduce(total)
-    return (total if floor is None else total.clamp(min=floor)) / _PROCESSES
+    return (total if floor is None else total.clamp(min=floor)) / n
+
+
+def processes() -> int:
+    """The data-parallel processes this one trains with: the initialised process group's size (what
+    ``accelerate launch`` sets up for :func:`train`), 1 without one."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 @contextlib.contextmanager
@@ -150,7 +153,6 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
     logged metrics (means over the processes). Under ``accelerate launch``, ``config.batch_size`` is per process;
     ``loss_fn`` should normalise with :func:`mean_denominator` for the result not to depend on the process count.
     """
-    global _PROCESSES, _RUNNING
     from accelerate import Accelerator, DistributedType
     from accelerate.utils import DistributedDataParallelKwargs
 
@@ -166,17 +168,7 @@ def train(model, loss_fn: Callable, dataset, out_dir, config: TrainConfig, save_
     if sharded:
         raise ValueError("FSDP and DeepSpeed ZeRO-3 shard the weights being trained, which the saved models need "
                          "whole: use DDP or DeepSpeed ZeRO-1/2.")
-    # the process count is the process's (Accelerate's state is one per process): calls in several threads share it
-    with _RUNNING_LOCK:
-        _RUNNING += 1
-        _PROCESSES = accelerator.num_processes
-    try:
-        return _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress, _eval_sets(config))
-    finally:
-        with _RUNNING_LOCK:
-            _RUNNING -= 1
-            if not _RUNNING:
-                _PROCESSES = 1
+    return _train(accelerator, model, loss_fn, dataset, out, config, save_model, progress, _eval_sets(config))
 
 
 def _eval_sets(config: TrainConfig) -> dict:
