@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -39,7 +40,6 @@ KNOWN_TARGETS = {
     },
 }
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json")
-_HASHES: dict[tuple[str, float], str | None] = {}  # filled with whole values only: safe without a lock
 _WARNED: set[tuple[str, str]] = set()
 _WARNED_LOCK = threading.Lock()
 
@@ -65,23 +65,27 @@ def vocabulary_hash(folder: str | os.PathLike | None) -> str | None:
         path = Path(folder) / name
         if not path.is_file():
             continue
-        key = (str(path.resolve()), path.stat().st_mtime)
-        if key not in _HASHES:
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                _HASHES[key] = None
-                continue
-            vocab = data.get("model", {}).get("vocab") if name == "tokenizer.json" else data
-            if isinstance(vocab, list):  # unigram tokenizers: [[piece, score], ...]
-                vocab = {piece[0]: i for i, piece in enumerate(vocab)}
-            if isinstance(vocab, dict) and name == "tokenizer.json":  # special and added tokens have ids too
-                vocab = {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}
-            _HASHES[key] = (hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
-                            if isinstance(vocab, dict) and vocab else None)
-        if _HASHES[key] is not None:
-            return _HASHES[key]
+        found = _file_hash(str(path.resolve()), path.stat().st_mtime)
+        if found is not None:
+            return found
     return None
+
+
+@functools.lru_cache(maxsize=64)
+def _file_hash(path: str, mtime: float) -> str | None:
+    """:func:`vocabulary_hash` of one tokenizer file (``tokenizer.json`` or ``vocab.json``), remembered per path and
+    modification time (a file rewritten is read again)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    vocab = data.get("model", {}).get("vocab") if Path(path).name == "tokenizer.json" else data
+    if isinstance(vocab, list):  # unigram tokenizers: [[piece, score], ...]
+        vocab = {piece[0]: i for i, piece in enumerate(vocab)}
+    if isinstance(vocab, dict) and Path(path).name == "tokenizer.json":  # special and added tokens have ids too
+        vocab = {**vocab, **{t["content"]: t["id"] for t in data.get("added_tokens") or []}}
+    return (hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
+            if isinstance(vocab, dict) and vocab else None)
 
 
 def model_folder(model) -> Path | None:
