@@ -35,6 +35,7 @@ setup(
         "hf_specdec",
         "hf_specdec.proposers",
         "hf_specdec.bench",
+        "hf_specdec.cli",
         "hf_specdec.training",
         "hf_specdec.modeling",
         "hf_specdec.conversions",

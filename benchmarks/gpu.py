@@ -48,7 +48,7 @@ Measured per method (batch 1, greedy, ``--reps`` timed calls after an untimed wa
 * ``speedup``: stock ``generate()``'s time per decoded token over the method's (first forward excluded from both).
 * ``ideal``: the speedup the method's forwards would give with no drafting and no overhead:
   ``decoded tokens / sum over its verification forwards of c(q) / c(1)``, with ``c(q)`` the measured time of a target
-  forward over ``q`` new tokens (``hf_specdec.bench.harness.forward_cost_curve``, the cache filled to the middle of the
+  forward over ``q`` new tokens (``hf_specdec.bench.probes.forward_cost_curve``, the cache filled to the middle of the
   run); for a constant tree of ``N`` nodes that is ``tau * c(1) / c(N)``.
 * ``efficiency = speedup / ideal``: what drafting and the loop's overhead leave of the ideal (1.0: none).
 
@@ -76,7 +76,7 @@ from pathlib import Path
 
 import torch
 
-from hf_specdec.bench.harness import ForwardProbe
+from hf_specdec.bench.probes import ForwardProbe
 
 SCHEMA = "hf_specdec.gpu_bench/1"
 METHODS = ("eagle3", "medusa", "mtp", "dflash", "assisted", "hf_assisted")  # stock generate() always runs
@@ -549,7 +549,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     torch.manual_seed(args.seed)
 
-    from hf_specdec.bench.harness import forward_cost_curve
+    from hf_specdec.bench.probes import forward_cost_curve
 
     config = target_config(args.tiny)
     model, perm = build_target(config, device, dtype, args.seed)

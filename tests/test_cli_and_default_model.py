@@ -57,7 +57,7 @@ def test_cli_regenerate_writes_sharegpt_format(tmp_path, monkeypatch, capsys):
 
     model, tok = tiny_model("llama", layers=2, hidden=32), word_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
-    monkeypatch.setattr(cli, "_load_model", lambda path, dtype, device: (model, tok))
+    monkeypatch.setattr(cli.train, "_load_model", lambda path, dtype, device: (model, tok))
     seen = {}
 
     def prompts(tokenizer, sharegpt, gsm8k, code, exclude=()):

@@ -148,7 +148,7 @@ def test_prompt_lookup_compiled_with_inductor_lossless_and_no_recompile():
 
 
 def test_bench_method_string_takes_compile():
-    from hf_specdec.bench.harness import build_methods
+    from hf_specdec.bench.methods import build_methods
 
     methods = build_methods(["prompt_lookup:compile=1", "prompt_lookup"])
     assert [m.kwargs["custom_generate"].defaults.get("compile") for m in methods] == [True, None]

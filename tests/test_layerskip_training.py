@@ -131,7 +131,7 @@ def test_cli_train_layerskip_wiring(monkeypatch, tmp_path):
     from hf_specdec import cli
 
     seen = {}
-    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(cli.train, "_load_model", lambda *a, **k: (object(), object()))
     monkeypatch.setattr(training, "train_exit_adapter", lambda *a, **k: (seen.setdefault("adapter", k), {})[::-1])
     monkeypatch.setattr(training, "train_layerskip", lambda *a, **k: (seen.setdefault("recipe", k), {})[::-1])
     assert cli.main(["train", "layerskip-adapter", "--out", str(tmp_path / "a"), "--exit-layer", "3", "--no-mlp",

@@ -93,7 +93,7 @@ def test_cli_train_mtp_wiring(monkeypatch, tmp_path):
     from hf_specdec import cli
 
     seen = {}
-    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (object(), object()))
+    monkeypatch.setattr(cli.train, "_load_model", lambda *a, **k: (object(), object()))
     monkeypatch.setattr(training, "train_mtp", lambda *a, **k: (seen.setdefault("mtp", k), {})[::-1])
     monkeypatch.setattr(training, "train_parallel_mtp", lambda *a, **k: (seen.setdefault("parallel", k), {})[::-1])
     assert cli.main(["train", "mtp", "--out", str(tmp_path / "m"), "--depths", "2", "--draft-vocab", "512"]) == 0
