@@ -16,7 +16,7 @@ from . import modeling  # noqa: F401  (registers the drafters' configs and model
 from .draft_models import load_draft_model, save_draft_model
 from .engine import SpeculativeDecoderOnlyOutput, SpeculativeStats, speculative_decode
 from .entry import available_methods, build_proposer, custom_generate_path, decoding_method, generate_with_method
-from .proposers.suffix import SuffixCache
+from .proposers.suffix_index import SuffixCache
 from .registry import Method, Option, register, shipped_drafter, unregister
 from .tree import DraftTree
 

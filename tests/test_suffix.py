@@ -217,7 +217,7 @@ def test_bad_hybrid_value():
 def test_own_and_cache_drafts_merge_into_one_tree():
     from types import SimpleNamespace
 
-    from hf_specdec.proposers.suffix import SuffixDraft
+    from hf_specdec.proposers.suffix_index import SuffixDraft
 
     proposer = SuffixProposer(adaptive=False)
     proposer.calibration = {}
@@ -261,7 +261,7 @@ def test_a_pinned_corpus_is_a_datastore():
 def test_a_child_rounded_above_its_parent_still_comes_after_it():
     from types import SimpleNamespace
 
-    from hf_specdec.proposers.suffix import SuffixDraft
+    from hf_specdec.proposers.suffix_index import SuffixDraft
     from hf_specdec.tree import DraftTree
 
     proposer = SuffixProposer(adaptive=False)

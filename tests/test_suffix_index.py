@@ -4,7 +4,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_specdec.proposers.suffix import SuffixIndex
+from hf_specdec.proposers.suffix_index import SuffixIndex
 
 
 def occurrences(sequences, pattern) -> int:

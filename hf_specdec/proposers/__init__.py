@@ -5,7 +5,8 @@ from .draft_model import DraftModelProposer
 from .features import FeatureDrafterProposer
 from .hybrid import HybridProposer
 from .prompt_lookup import PromptLookupProposer
-from .suffix import SuffixCache, SuffixIndex, SuffixProposer
+from .suffix import SuffixProposer
+from .suffix_index import SuffixCache, SuffixIndex
 
 __all__ = ["BackOff", "DraftModelProposer", "FeatureDrafterProposer", "HybridProposer", "PromptLookupProposer", "Proposer",
            "RowDraft", "SuffixCache", "SuffixIndex", "SuffixProposer"]

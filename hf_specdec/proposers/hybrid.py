@@ -32,7 +32,8 @@ HYBRID = Option("hybrid", object, None,
 def lookup_proposer(value):
     """The drafter-free proposer a ``hybrid=`` value names (``None``: no hybrid)."""
     from .prompt_lookup import PromptLookupProposer
-    from .suffix import SuffixCache, SuffixProposer
+    from .suffix import SuffixProposer
+    from .suffix_index import SuffixCache
 
     if value is None or value is False:
         return None

@@ -88,7 +88,7 @@ class PromptLookupProposer(Proposer):
         return 0.75 if streak else {1: 0.2, 2: 0.35}.get(n, 0.5)
 
     def row_drafts(self, state) -> list:
-        """Each row's candidate (:class:`~hf_specdec.proposers.suffix.RowDraft`, ``None``: no draft), cut to the
+        """Each row's candidate (:class:`~hf_specdec.proposers.base.RowDraft`, ``None``: no draft), cut to the
         length that pays when adaptive."""
         drafts = []
         for b in range(state.batch_size):
