@@ -184,13 +184,13 @@ def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: i
     index, parts = part
     stages = _Stages(out, settings, "corpus.json" if index == 0 else f"corpus-part{index + 1}.json")
     layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
-    for name, count in (("train", limit), ("heldout", heldout_limit)):
-        records = out / f"{name}.json"
+    for name, count in (("train", limit), ("heldout", heldout_limit)):  # both splits first: the other parts wait
+        records = out / f"{name}.json"                                  # for them only, not for part 1's features
         if not records.exists():
             if index:
                 raise ValueError(f"{records} is not there yet: part 1/{parts} writes the split; run it first.")
 
-            def split(name=name, count=count):
+            def split(name=name, count=count, records=records):
                 train, heldout = sharegpt_split(read_sharegpt(data_path))
                 # a regenerated corpus and any subset (a limit) take the prompts the target can answer (8..256
                 # tokens), so that a subset is the same conversations either way; an original corpus takes all
@@ -198,6 +198,8 @@ def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: i
                 return write_records(select(tokenizer, train if name == "train" else heldout, count, seed,
                                             first_turns), records)
             stages.run("split", split)
+    for name in ("train", "heldout"):
+        records = out / f"{name}.json"
         data = records
         if answers == "regenerated":
             data = out / f"{name}-regen.json"
