@@ -113,7 +113,9 @@ def test_train_draft_student(tmp_path, tok, conversations):
 def test_distillation_loss_scores_only_trained_positions():
     """Scoring only the positions under the loss mask gives the same loss as scoring every position."""
     target = tiny_model("llama", layers=2, hidden=32)
-    student = training._student_from_layers(target, 1)
+    from hf_specdec.training.distillation import _student_from_layers
+
+    student = _student_from_layers(target, 1)
     head = target.get_output_embeddings().weight.detach()
     ids = torch.randint(0, head.shape[0], (2, 12))
     loss_mask = torch.zeros(2, 12, dtype=torch.uint8)

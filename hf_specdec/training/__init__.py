@@ -11,9 +11,8 @@ heads, the LayerSkip exit adapter), :mod:`.layerskip_recipe` (the target itself)
 from __future__ import annotations
 
 from .corpus import prepare_features, shared_features
-from .distillation import _init_student, _student_from_layers, distillation_loss, train_draft
-from .drafters import _init_drafter, _train_eagle3_model, train_dflash, train_eagle3, train_medusa
+from .distillation import distillation_loss, train_draft
+from .drafters import train_dflash, train_eagle3, train_medusa
 from .layerskip_recipe import train_layerskip
-from .posthoc import _train_posthoc, train_exit_adapter, train_mtp, train_parallel_mtp
-from .saving import _half_copy, _target_id
+from .posthoc import train_exit_adapter, train_mtp, train_parallel_mtp
 from .trainer import TrainConfig, main_process_first, mean_denominator, train
