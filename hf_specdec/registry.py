@@ -305,58 +305,93 @@ class UnknownMethodError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------- records
-_METHODS: dict[str, Method] = {}
-_BUILTIN: tuple[str, ...] = ()  # names of the built-in methods: empty until every record is in _METHODS
-_LOCK = threading.RLock()  # around every change of _METHODS (re-entrant: a module imported under it may register)
+class Registry:
+    """The registered methods, and what loading their drafters keeps: one instance (:data:`REGISTRY`) serves the
+    module's functions (:func:`register`, :func:`get`, :func:`load_drafter`...); every piece of state lives here.
 
+    ``methods``: name -> record, the built-in records first (filled on first use, from :data:`BUILTIN_MODULES`);
+    ``drafters``: the last few drafters loaded from a path or Hub id (:class:`DrafterCache`); ``said_shipped``: the
+    (method, target) pairs whose shipped default drafter was announced (said once)."""
 
-def _load_builtin() -> None:
-    """Fill the registry with the built-in records, once; threads that come meanwhile wait for it to be full (the
-    names are published last, so the lock-free check never sees a half-filled registry)."""
-    global _BUILTIN
-    if _BUILTIN:
-        return
-    with _LOCK:
-        if _BUILTIN:
+    def __init__(self, builtin_modules: tuple[str, ...] = BUILTIN_MODULES):
+        self.builtin_modules = builtin_modules
+        self.methods: dict[str, Method] = {}
+        self.builtin: tuple[str, ...] = ()  # names of the built-in methods: empty until every record is in .methods
+        self.lock = threading.RLock()  # around every change (re-entrant: a module imported under it may register)
+        self.said_shipped: set[tuple[str, str]] = set()
+        self.drafters = DrafterCache()
+
+    def load_builtin(self) -> None:
+        """Fill the registry with the built-in records, once; threads that come meanwhile wait for it to be full
+        (the names are published last, so the lock-free check never sees a half-filled registry)."""
+        if self.builtin:
             return
-        records = [importlib.import_module(f"hf_specdec.proposers.{module}").METHOD for module in BUILTIN_MODULES]
-        for record in records:
-            _METHODS.setdefault(record.name, record)
-        _BUILTIN = tuple(record.name for record in records)
+        with self.lock:
+            if self.builtin:
+                return
+            records = [importlib.import_module(f"hf_specdec.proposers.{module}").METHOD
+                       for module in self.builtin_modules]
+            for record in records:
+                self.methods.setdefault(record.name, record)
+            self.builtin = tuple(record.name for record in records)
+
+    def register(self, method: Method, replace: bool = False) -> Method:
+        self.load_builtin()
+        with self.lock:
+            if method.name in self.methods and not replace:
+                raise ValueError(f"A method named {method.name!r} is already registered (pass replace=True to "
+                                 "replace it).")
+            taken = {s: m.name for m in self.methods.values() if m.name != method.name for s in m.shorthands}
+            clash = [s for s in method.shorthands if s in taken or (s in self.methods and s != method.name)]
+            if clash:
+                raise ValueError(f"Method {method.name!r}: the names {clash} are already used by other methods.")
+            self.methods[method.name] = method
+        return method
+
+    def unregister(self, name: str) -> None:
+        self.load_builtin()
+        with self.lock:
+            self.methods.pop(name, None)
+
+    def records(self) -> list[Method]:
+        self.load_builtin()
+        return list(self.methods.values())
+
+    def get(self, name: str) -> Method:
+        self.load_builtin()
+        record = self.methods.get(name)  # one read: a concurrent unregister() cannot slip between a check and it
+        if record is None:
+            raise UnknownMethodError(f"Unknown speculative decoding method {name!r}. "
+                                     f"Available: {', '.join(sorted(self.methods))}.")
+        return record
+
+    def say_shipped_once(self, method: str, target_id: str) -> bool:
+        """True the first time ``(method, target_id)`` is asked (also when threads ask at once)."""
+        with self.lock:
+            first = (method, target_id) not in self.said_shipped
+            self.said_shipped.add((method, target_id))
+        return first
 
 
 def builtin_methods() -> list[str]:
     """The names of the methods built into hf_specdec (their folders ship in the package)."""
-    _load_builtin()
-    return list(_BUILTIN)
+    REGISTRY.load_builtin()
+    return list(REGISTRY.builtin)
 
 
 def register(method: Method, replace: bool = False) -> Method:
     """Add ``method`` to the registry (``replace=True`` to replace a record of the same name)."""
-    _load_builtin()
-    with _LOCK:
-        if method.name in _METHODS and not replace:
-            raise ValueError(f"A method named {method.name!r} is already registered (pass replace=True to replace "
-                             "it).")
-        taken = {s: m.name for m in _METHODS.values() if m.name != method.name for s in m.shorthands}
-        clash = [s for s in method.shorthands if s in taken or (s in _METHODS and s != method.name)]
-        if clash:
-            raise ValueError(f"Method {method.name!r}: the names {clash} are already used by other methods.")
-        _METHODS[method.name] = method
-    return method
+    return REGISTRY.register(method, replace)
 
 
 def unregister(name: str) -> None:
     """Remove the method ``name`` (a no-op when it is not registered)."""
-    _load_builtin()
-    with _LOCK:
-        _METHODS.pop(name, None)
+    REGISTRY.unregister(name)
 
 
 def methods() -> list[Method]:
     """Every registered method, built-in ones first in their README order."""
-    _load_builtin()
-    return list(_METHODS.values())
+    return REGISTRY.records()
 
 
 def available_methods() -> list[str]:
@@ -366,12 +401,7 @@ def available_methods() -> list[str]:
 
 def get(name: str) -> Method:
     """The record of ``name``; an unknown name raises ``ValueError`` listing the registered methods."""
-    _load_builtin()
-    record = _METHODS.get(name)  # one read: a concurrent unregister() cannot slip between a check and the read
-    if record is None:
-        raise UnknownMethodError(f"Unknown speculative decoding method {name!r}. "
-                                 f"Available: {', '.join(available_methods())}.")
-    return record
+    return REGISTRY.get(name)
 
 
 def all_option_names() -> list[str]:
@@ -451,9 +481,6 @@ def drafter_source(source) -> str:
     return str(folder)
 
 
-_SAID_SHIPPED: set[tuple[str, str]] = set()
-
-
 def _default_drafter(record: Method, target):
     """The shipped drafter for ``target`` when ``drafter=`` was not given (said once per method and target)."""
     from . import identity
@@ -462,16 +489,13 @@ def _default_drafter(record: Method, target):
     folder = shipped_drafter(record, target_id) if target_id is not None else None
     if folder is None:
         return None
-    with _LOCK:  # said once, also when threads start at once
-        first = (record.name, target_id) not in _SAID_SHIPPED
-        _SAID_SHIPPED.add((record.name, target_id))
-    if first:
+    if REGISTRY.say_shipped_once(record.name, target_id):
         identity.logger.warning(f"hf_specdec: {record.name} uses the drafter shipped for {target_id} "
                                 f"({SHIPPED_PREFIX}{folder.name}); pass drafter= to use another.")
     return folder
 
 
-class _DrafterCache:
+class DrafterCache:
     """The last few drafters loaded from a path or Hub id, keyed by method, source, target, dtype and device (and a
     local folder's file times, so that a folder rewritten in place is read again).
 
@@ -527,7 +551,7 @@ class _DrafterCache:
             self.entries.clear()
 
 
-DRAFTER_CACHE = _DrafterCache()
+REGISTRY = Registry()  # the registry every entry point reads
 
 
 def _source_key(source) -> tuple:
@@ -560,7 +584,7 @@ def load_drafter(method: str | Method, drafter, target, options: dict | None = N
     elif isinstance(drafter, (str, os.PathLike)):
         drafter = drafter_source(drafter)
         key = (record.name, _source_key(drafter), id(target), str(target.dtype), str(drafter_device(target)))
-        module = DRAFTER_CACHE.get_or_load(key, target, functools.partial(spec.load, drafter, target))
+        module = REGISTRY.drafters.get_or_load(key, target, functools.partial(spec.load, drafter, target))
     else:
         raise TypeError(f"drafter must be {spec.doc} or a path / Hub repo id, got {type(drafter).__name__}.")
     if spec.check is not None:

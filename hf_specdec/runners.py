@@ -304,9 +304,38 @@ def device_type_of(model) -> str:
     return drafter_device(model).type
 
 
-_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {runner name: runner}
-_CALL_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model or proposer -> its call_lock
-_LOCK = threading.Lock()  # around every look-up-or-fill of _RUNNERS and _CALL_LOCKS (once per call, never per step)
+class PerModel:
+    """What belongs to a model across ``generate`` calls, dropped with it (weak references): its kept runners (one
+    per runner class) and the lock a call holds on it. One instance (:data:`PER_MODEL`) serves :func:`call_lock` and
+    :func:`kept_runner`."""
+
+    def __init__(self):
+        self.runners: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {runner name: runner}
+        self.call_locks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model or proposer -> its lock
+        self.lock = threading.Lock()  # around every look-up-or-fill of both (once per call, never per step)
+
+    def call_lock(self, obj) -> threading.RLock:
+        with self.lock:
+            try:
+                lock = self.call_locks.get(obj)
+                if lock is None:
+                    lock = self.call_locks[obj] = threading.RLock()
+            except TypeError:
+                return threading.RLock()
+        return lock
+
+    def kept_runner(self, model, cls: type) -> "TargetRunner":
+        with self.lock:  # WeakKeyDictionary.setdefault and the check-then-fill are not atomic: one runner per model
+            try:
+                per_model = self.runners.setdefault(model, {})
+            except TypeError:  # not weak-referenceable: a fresh runner per call
+                return cls(model)
+            if cls.name not in per_model:
+                per_model[cls.name] = cls(model)
+            return per_model[cls.name]
+
+
+PER_MODEL = PerModel()
 
 
 def call_lock(obj) -> threading.RLock:
@@ -316,25 +345,11 @@ def call_lock(obj) -> threading.RLock:
     installs, the attention it switches, the runner's measured costs). Re-entrant: a call made inside a call of the
     same thread (a drafter that decodes with the loop itself) does not wait for itself. An object that cannot be
     weakly referenced gets a fresh lock (nothing to share)."""
-    with _LOCK:
-        try:
-            lock = _CALL_LOCKS.get(obj)
-            if lock is None:
-                lock = _CALL_LOCKS[obj] = threading.RLock()
-        except TypeError:
-            return threading.RLock()
-    return lock
+    return PER_MODEL.call_lock(obj)
 
 
 def kept_runner(model, cls: type) -> TargetRunner:
     """The one runner of class ``cls`` kept for ``model`` (made on first use), so later calls reuse what earlier
     ones measured (and compiled); a model that cannot be weakly referenced gets a fresh runner per call. Which class a
     call runs is chosen above this module (:func:`hf_specdec.runner_choice.runner_for`)."""
-    with _LOCK:  # WeakKeyDictionary.setdefault and the check-then-fill below are not atomic: one runner per model
-        try:
-            per_model = _RUNNERS.setdefault(model, {})
-        except TypeError:  # not weak-referenceable: a fresh runner per call
-            return cls(model)
-        if cls.name not in per_model:
-            per_model[cls.name] = cls(model)
-        return per_model[cls.name]
+    return PER_MODEL.kept_runner(model, cls)

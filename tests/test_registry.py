@@ -223,7 +223,7 @@ def test_a_drafter_given_by_path_is_loaded_once_per_target(tmp_path):
     tiny_model("llama", seed=10, layers=1).save_pretrained(tmp_path / "draft")
     os.utime(tmp_path / "draft" / "config.json", ns=(1, 1))
     assert hf_specdec.build_proposer("assisted", target, drafter=path).drafter is not first
-    assert len(registry.DRAFTER_CACHE.entries) <= registry.DRAFTER_CACHE.size
+    assert len(registry.REGISTRY.drafters.entries) <= registry.REGISTRY.drafters.size
 
 
 def test_import_hf_specdec_is_enough_for_the_auto_classes(tmp_path):

@@ -110,7 +110,7 @@ def test_shipped_drafters_are_the_default_for_smollm2(smollm2, tmp_path, monkeyp
     if hf_specdec.shipped_drafter("eagle3") is None:
         pytest.skip("no shipped drafters in this checkout")
     monkeypatch.chdir(tmp_path)  # another directory: the absolute folder path and drafter lookup still work
-    registry._SAID_SHIPPED.clear()
+    registry.REGISTRY.said_shipped.clear()
     enc = _enc(tok, ["What is 12 times 7? Think step by step."])
     ref = model.generate(**enc, max_new_tokens=16, do_sample=False)
     with caplog.at_level("WARNING", logger="hf_specdec"):

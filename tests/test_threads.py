@@ -62,7 +62,7 @@ jobs = [  # (method, target, options, how it is called)
 ]
 inputs = [prompts(1, length=12, seed=i) for i in range(len(jobs))]
 refs = [m.generate(input_ids=ids, attention_mask=mask, **KW) for (_, m, _, _), (ids, mask) in zip(jobs, inputs)]
-fresh = not registry._BUILTIN  # nothing above filled the registry: the threads see its first use
+fresh = not registry.REGISTRY.builtin  # nothing above filled the registry: the threads see its first use
 barrier = threading.Barrier(len(jobs))
 results = [None] * len(jobs)
 
@@ -222,7 +222,7 @@ def test_one_runner_per_model_from_many_threads():
 
 
 def test_drafter_cache_loads_a_drafter_once_when_threads_ask_at_once():
-    cache, target, loads = registry._DrafterCache(), torch.nn.Linear(1, 1), []
+    cache, target, loads = registry.DrafterCache(), torch.nn.Linear(1, 1), []
 
     def load():
         loads.append(1)
