@@ -9,13 +9,16 @@ tokens. The loop measures ``c(q)`` while it runs (:class:`ForwardCostModel`, one
 so later calls start from what earlier ones measured; minima of recent times, so that other work on the machine does
 not turn speculation off) and a proposer picks the ``k`` that maximises tokens per unit
 of time (:func:`best_draft_length`), drafting nothing when no ``k`` beats a plain step: that is what keeps a method
-from slowing down text it cannot predict.
+from slowing down text it cannot predict. A call reads the kept model through :class:`CallCosts`, under the call's
+adaptive rules (:mod:`hf_specdec.adaptive`).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+
+from .adaptive import ALL_ON, Rules
 
 # Relative cost of a q-token forward over a ~256-token cache vs q=1, used until the loop has measured its own.
 # SmolLM2-135M fp32 on the 2-core CPU with the CPU kernel runner (hf_specdec.kernels), and with the model's own kernels
@@ -26,6 +29,7 @@ _CPU_OWN_PRIOR = {1: 1.0, 2: 1.65, 4: 1.5, 8: 1.7, 16: 1.85, 32: 2.6, 64: 3.6}
 # steps (kernels._ExactRows): nearly flat up to 8 tokens (benchmarks/RESULTS.md, "bfloat16 on the CPU")
 _CPU_HALF_PRIOR = {1: 1.0, 2: 1.0, 4: 1.03, 8: 1.1, 16: 1.3, 32: 1.7, 64: 2.6}
 _GPU_PRIOR = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 32: 1.15, 64: 1.4}
+ONE_PRIOR = _GPU_PRIOR  # every runner, device and dtype, where the rule device_priors is off (hf_specdec.adaptive)
 
 
 def _interp(table: dict[int, float], q: int) -> float:
@@ -41,6 +45,29 @@ def _interp(table: dict[int, float], q: int) -> float:
     return table[keys[-1]]  # pragma: no cover
 
 
+def _relative(q: int, seconds: dict[int, float], prior: dict[int, float]) -> float:
+    """Cost of a ``q``-token forward in one-token forwards from ``seconds`` (``{size: estimated seconds}``, the
+    measured sizes), sizes between two measured ones interpolated in log q, past the largest following ``prior``'s
+    shape; ``prior`` alone while the one-token cost is not measured."""
+    if q <= 1:
+        return 1.0
+    base = seconds.get(1)
+    if not base:
+        return _interp(prior, q)
+    # not floored at 1: where the verification kernels make a 2-4-token forward cheaper than the model's own
+    # one-token step (this project's CPU), a short verification *is* cheaper than the plain step it replaces
+    known = {k: v / base for k, v in seconds.items()}
+    if q in known:
+        return known[q]
+    lower = max(k for k in known if k < q)  # 1 is always known here
+    upper = [k for k in known if k > q]
+    if upper:
+        hi = min(upper)
+        t = (math.log2(q) - math.log2(lower)) / (math.log2(hi) - math.log2(lower))
+        return known[lower] + t * (known[hi] - known[lower])
+    return known[lower] * _interp(prior, q) / _interp(prior, lower)
+
+
 class RecentMinimum:
     """The minimum of a time's recent samples: a robust estimate of what something costs when the machine is not
     disturbing it. Other processes only ever make a forward *slower*, so a spike never lowers the minimum, and it
@@ -53,6 +80,11 @@ class RecentMinimum:
 
     def add(self, seconds: float, tick: int = 0) -> None:
         self.samples.append((tick, seconds))
+
+    @property
+    def latest(self) -> float | None:
+        """The last sample, however old (``None``: none yet)."""
+        return self.samples[-1][1] if self.samples else None
 
     def value(self, now: int = 0) -> float | None:
         """The minimum over the samples of the last ``horizon`` ticks; ``None`` when there are none (every sample
@@ -109,26 +141,14 @@ class ForwardCostModel:
             self._estimates = (self.clock, {q: v for q, v in values.items() if v is not None})
         return self._estimates[1]
 
+    @property
+    def latest_seconds(self) -> dict[int, float]:
+        """``{q: seconds}`` of every measured size's latest sample, however old (the rule ``recent_minimum`` off)."""
+        return {q: t.latest for q, t in self.times.items() if t.latest is not None}
+
     def relative(self, q: int) -> float:
         """Cost of a ``q``-token forward in units of a one-token forward."""
-        if q <= 1:
-            return 1.0
-        known_seconds = self.seconds
-        base = known_seconds.get(1)
-        if not base:
-            return _interp(self.prior, q)
-        # not floored at 1: where the verification kernels make a 2-4-token forward cheaper than the model's own
-        # one-token step (this project's CPU), a short verification *is* cheaper than the plain step it replaces
-        known = {k: v / base for k, v in known_seconds.items()}
-        if q in known:
-            return known[q]
-        lower = max(k for k in known if k < q)  # 1 is always known here
-        upper = [k for k in known if k > q]
-        if upper:
-            hi = min(upper)
-            t = (math.log2(q) - math.log2(lower)) / (math.log2(hi) - math.log2(lower))
-            return known[lower] + t * (known[hi] - known[lower])
-        return known[lower] * _interp(self.prior, q) / _interp(self.prior, lower)
+        return _relative(q, self.seconds, self.prior)
 
     def step_seconds(self) -> float | None:
         return self.seconds.get(1)
@@ -156,6 +176,69 @@ class ForwardCostModel:
         cost :attr:`CALIBRATION_STOP` steps (a larger one never pays)."""
         wanted = sorted({q for q in (1, 2, 4, 8, 16, 32) if q <= max_nodes} | {max_nodes})
         return [q for q in wanted if q not in self.times and (self.too_costly is None or q < self.too_costly)]
+
+
+class CallCosts:
+    """One call's view of a kept :class:`ForwardCostModel` (``model``): the queries the loop, the runner and the
+    proposers make, answered under the call's :class:`~hf_specdec.adaptive.Rules` (``rules``); measurements go into
+    the kept model as they are. The kept model outlives the call and never holds its rules: with every cost rule on,
+    each query is the model's own. The call's :class:`~hf_specdec.state.DecodingState` holds it as ``cost_model``.
+
+    Example::
+
+        costs = CallCosts(runner.cost_model(batch_size), Rules().without("measured_costs"))
+        costs.relative(8)  # the prior table's cost of an 8-token forward, whatever was measured
+    """
+
+    EXPLORE_EVERY = ForwardCostModel.EXPLORE_EVERY
+    CALIBRATION_STOP = ForwardCostModel.CALIBRATION_STOP
+
+    def __init__(self, model: ForwardCostModel, rules: Rules = ALL_ON):
+        self.model, self.rules = model, rules
+
+    # ---- queries, under the rules
+    @property
+    def seconds(self) -> dict[int, float]:
+        """``{q: estimated seconds}`` of every measured size: recent minima, or the latest samples (recent_minimum
+        off)."""
+        return self.model.seconds if self.rules.recent_minimum else self.model.latest_seconds
+
+    def relative(self, q: int) -> float:
+        """Cost of a ``q``-token forward in one-token forwards: measured (measured_costs), from the recent minima
+        (recent_minimum), sizes not measured after the runner's prior (device_priors) or else :data:`ONE_PRIOR`."""
+        rules = self.rules
+        if rules.measured_costs and rules.device_priors and rules.recent_minimum:
+            return self.model.relative(q)
+        prior = self.model.prior if rules.device_priors else ONE_PRIOR
+        return _relative(q, self.seconds if rules.measured_costs else {}, prior)
+
+    def step_seconds(self) -> float | None:
+        """The one-token forward's seconds: the unit of drafting times, measured also with measured_costs off."""
+        return self.model.step_seconds() if self.rules.recent_minimum else self.model.latest_seconds.get(1)
+
+    def probe_due(self) -> bool:
+        return self.rules.unit_probe and self.model.probe_due()
+
+    def explore_due(self) -> bool:
+        return self.rules.exploration and self.model.explore_due()  # off: the model's clock is not taken
+
+    def gate_for(self, method: str) -> "SpeculationGate":
+        return self.model.gate_for(method)
+
+    # ---- what the loop and the runner record, as they are
+    def record(self, q: int, seconds: float) -> None:
+        self.model.record(q, seconds)
+
+    def calibration_sizes(self, max_nodes: int) -> list[int]:
+        return self.model.calibration_sizes(max_nodes)
+
+    @property
+    def too_costly(self) -> int | None:
+        return self.model.too_costly
+
+    @too_costly.setter
+    def too_costly(self, size: int | None) -> None:
+        self.model.too_costly = size
 
 
 class AcceptanceEstimator:
@@ -283,23 +366,29 @@ class SpeculationGate:
             return False
         return True
 
-    def efficiency(self) -> float | None:
-        """Tokens per step-cost of the steps read so far, once there are enough of them to judge."""
-        if len(self.steps) < (self.RETRY_WINDOW if self.retrying else self.WINDOW):
+    def efficiency(self, rules: Rules = ALL_ON) -> float | None:
+        """Tokens per step-cost of the steps read so far, once there are enough of them to judge (a retry: only
+        :attr:`RETRY_WINDOW`, unless the rule gate_quick_retry is off)."""
+        quick = self.retrying and rules.gate_quick_retry
+        if len(self.steps) < (self.RETRY_WINDOW if quick else self.WINDOW):
             return None
         return sum(t for t, _ in self.steps) / sum(c for _, c in self.steps)
 
-    def record(self, tokens_per_row: float, verify_cost: float, draft_cost: float) -> None:
+    def record(self, tokens_per_row: float, verify_cost: float, draft_cost: float, rules: Rules = ALL_ON) -> None:
         """One step that asked for drafts: ``tokens_per_row`` committed, a verification of ``verify_cost`` and a
-        proposal of ``draft_cost`` one-token steps."""
+        proposal of ``draft_cost`` one-token steps; ``rules``: the call's (the gate is kept across calls; the rules
+        gate_loss_pause and gate_quick_retry off: every pause :attr:`FIRST_PAUSE` steps, a retry judged on
+        :attr:`WINDOW` steps)."""
         self.steps.append((tokens_per_row, verify_cost + draft_cost))
-        value = self.efficiency()
+        value = self.efficiency(rules)
         if value is None:
             return
         if value < self.THRESHOLD:
-            # a retry of RETRY_WINDOW steps at this efficiency loses RETRY_WINDOW * (1 / value - 1) steps
-            loss = self.RETRY_WINDOW * (1.0 / max(value, 1e-3) - 1.0)
-            pause = max(self.FIRST_PAUSE, math.ceil(loss / self.RETRY_SHARE), 2 * self.pause)
+            pause = self.FIRST_PAUSE
+            if rules.gate_loss_pause:
+                # a retry of RETRY_WINDOW steps at this efficiency loses RETRY_WINDOW * (1 / value - 1) steps
+                loss = self.RETRY_WINDOW * (1.0 / max(value, 1e-3) - 1.0)
+                pause = max(self.FIRST_PAUSE, math.ceil(loss / self.RETRY_SHARE), 2 * self.pause)
             self.closed_for = self.pause = min(pause, self.MAX_PAUSE)
             self.retrying = True
             self.steps.clear()  # a retry is judged on its own steps

@@ -38,6 +38,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import cache as cache_ops
 from ._transformers import pad_token_tensor
+from .adaptive import Rules
 from .coupling import CoupledNoise, apply_warpers, call_seed, seeded
 from .dtypes import HALF
 from .proposers.base import Proposer
@@ -217,6 +218,7 @@ def speculative_decode(
     speculative_sampling: str | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    adaptive_rules: Rules | None = None,
     **model_kwargs,
 ):
     """Run speculative decoding with ``proposer`` (a ``GenerationMixin._sample``-compatible decoding method).
@@ -228,7 +230,9 @@ def speculative_decode(
     already. When sampling, ``speculative_sampling`` is ``"coupled"`` (default: the text is a function of the seed,
     the same for every method; :mod:`hf_specdec.coupling`) or ``"rejection"`` (exact speculative sampling, the most
     accepted drafts, from torch's generator); ``seed`` / ``generator`` give the call's seed (default: one draw from
-    torch's global generator; ``speculative_stats["seed"]`` reports it).
+    torch's global generator; ``speculative_stats["seed"]`` reports it). ``adaptive_rules``: the
+    :class:`~hf_specdec.adaptive.Rules` the call decides how much to draft by (``None``: every rule on); the output
+    is the same under any of them, only the speed changes.
 
     Returns a ``LongTensor`` of sequences, or a :class:`SpeculativeDecoderOnlyOutput` when
     ``generation_config.return_dict_in_generate`` is set; its ``speculative_stats["exact_bits"]`` says, in half
@@ -242,6 +246,8 @@ def speculative_decode(
     attention_mask = model_kwargs.get("attention_mask")
     host = _check_inputs(model, input_ids, attention_mask, generation_config, logits_processor,
                          generation_config.max_length)
+    if adaptive_rules is not None and not isinstance(adaptive_rules, Rules):
+        raise ValueError(f"adaptive_rules must be a hf_specdec.adaptive.Rules, got {type(adaptive_rules).__name__}.")
     proposer.prepare(model)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -251,7 +257,7 @@ def speculative_decode(
     asked, rounding = rounding, runner.rounding_for(rounding)
     state = DecodingState(model, input_ids, attention_mask, stopper.max_length, logits_processor,
                           bool(generation_config.do_sample), runner.cost_model(input_ids.shape[0], rounding),
-                          host_ids=host.ids, pad_lengths=host.pads)
+                          host_ids=host.ids, pad_lengths=host.pads, rules=adaptive_rules)
     rows = RowBook(state, stopper, streamer, want_scores=return_dict and bool(generation_config.output_scores),
                    want_logits=return_dict and bool(generation_config.output_logits),
                    pad_id=int(pad_id) if pad_id is not None else 0, prompt_streamed=prompt_streamed)
@@ -324,10 +330,11 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     # coupled sampling with warpers only: verified on the device, the warpers applied to a depth's nodes at once
     coupled_warp = functools.partial(apply_warpers, state.processors) if state.warpers_only else None
     timer = StepTimer(state.device)
-    # time only the tree sizes this call can use: a larger calibration forward would run past max_length, past the
-    # position table of a model with absolute positions (GPT-2) when the prompt is close to its context window
+    # time the tree sizes before decoding (the rule calibration; off: each is timed when first used), only those this
+    # call can use: a larger calibration forward would run past max_length, past the position table of a model with
+    # absolute positions (GPT-2) when the prompt is close to its context window
     usable_nodes = min(proposer.max_nodes, max(rows.budgets()) + 1)
-    if usable_nodes > 1 and any(state.active):
+    if state.rules.calibration and usable_nodes > 1 and any(state.active):
         target.calibrate(state, usable_nodes)
 
     while any(state.active):
@@ -338,7 +345,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         t0 = time.perf_counter()
         # a batch whose speculation did not pay decodes plainly for a while (costs.SpeculationGate); a constant
         # schedule (the user's choice) and a single row (the proposers' own rules and back-off) are not gated
-        gated = state.batch_size > 1 and getattr(proposer, "adaptive", True)
+        gated = state.batch_size > 1 and getattr(proposer, "adaptive", True) and state.rules.gate
         gate = state.cost_model.gate_for(proposer.name) if gated else None
         with target.drafting():  # now and then a plain step re-measures the unit of the forward costs (costs.py)
             drafting = any(state.max_drafts) and not state.cost_model.probe_due() and (gate is None or gate.open())
@@ -377,7 +384,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             active = [b for b in range(state.batch_size) if state.active[b]]
             tokens = sum(len(result.new_tokens[b]) for b in active) / max(len(active), 1)
             verify = state.cost_model.relative(tree.num_nodes) if tree.resume is None else elapsed / unit
-            gate.record(tokens, verify, draft_seconds / unit)
+            gate.record(tokens, verify, draft_seconds / unit, state.rules)
 
         # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
         _keep_accepted(state, tree, result, past)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from .adaptive import Rules
 from .placement import drafter_device
 
 BUILTIN_MODULES = ("plain", "prompt_lookup", "suffix", "lookahead", "draft_model", "universal", "eagle3", "dflash", "medusa",
@@ -115,7 +116,10 @@ SEED = Option("seed", int, None,
               "before the call repeats it; speculative_stats['seed'] reports it)")
 GENERATOR = Option("generator", torch.Generator, None,
                    "a torch.Generator the call draws its seed from (instead of torch's global one)")
-LOOP_OPTIONS = (ROUNDING, COMPILE, SAMPLING, SEED, GENERATOR)  # options of the loop, taken by every method (not
+ADAPTIVE_RULES = Option("adaptive_rules", Rules, None,
+                        "a hf_specdec.adaptive.Rules with some adaptive rules switched off, for ablations (default: "
+                        "every rule on); the output is the same, only the speed changes")
+LOOP_OPTIONS = (ROUNDING, COMPILE, SAMPLING, SEED, GENERATOR, ADAPTIVE_RULES)  # options of the loop, taken by every method (not
 # passed to its proposer)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import LogitsProcessorList
 
+from .adaptive import ALL_ON, Rules
 from .cache import CacheLayout
-from .costs import ForwardCostModel
+from .costs import CallCosts, ForwardCostModel
 from .coupling import WARPERS, CoupledNoise, apply_warpers, is_warper
 from .syncs import to_device
 
@@ -33,7 +34,10 @@ class DecodingState:
         hidden_states: the target hidden states of the last forward (the indices the proposer asked for).
         tree_logits: ``[B, N, V]`` the target's raw logits at every node of the tree just verified (set before
             :meth:`Proposer.commit`; lookahead decoding harvests n-grams from the nodes that were not kept).
-        cost_model: measured target forward costs (:class:`~hf_specdec.costs.ForwardCostModel`).
+        rules: the call's adaptive rules (:class:`~hf_specdec.adaptive.Rules`; default: every rule on). Proposers
+            take them in ``begin``.
+        cost_model: the measured target forward costs the runner keeps (a
+            :class:`~hf_specdec.costs.ForwardCostModel`), read under ``rules`` (:class:`~hf_specdec.costs.CallCosts`).
         processors: the call's logits processors and warpers (apply them with :meth:`process`).
         do_sample: drafts are *sampled* and verified by the rejection rules (``"rejection"``, ``"typical"``). Under
             coupled sampling it is False: proposers draft as they do greedily, from logits passed through
@@ -43,7 +47,8 @@ class DecodingState:
 
     def __init__(self, model, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, max_length: int,
                  logits_processor: LogitsProcessorList, do_sample: bool, cost_model: ForwardCostModel,
-                 host_ids: list[list[int]] | None = None, pad_lengths: list[int] | None = None):
+                 host_ids: list[list[int]] | None = None, pad_lengths: list[int] | None = None,
+                 rules: Rules | None = None):
         self.model = model
         self.config = model.config
         self.device = input_ids.device
@@ -52,7 +57,8 @@ class DecodingState:
         self.do_sample = do_sample
         self.coupling: CoupledNoise | None = None
         self.vocab_ids: dict = {}  # (drafter id, size) -> its vocabulary's target ids (proposers.base.draft_vocab_ids)
-        self.cost_model = cost_model
+        self.rules = rules if rules is not None else ALL_ON
+        self.cost_model = CallCosts(cost_model, self.rules) if cost_model is not None else None
         self.tokens = input_ids.new_zeros((self.batch_size, max_length + 1))  # [B, max_length + 1]
         self.tokens[:, : self.prompt_length] = input_ids
         self.lengths = [self.prompt_length] * self.batch_size

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..adaptive import ALL_ON, Rules
 from ..costs import RecentMinimum, batch_cap
 from ..tree import DraftTree
 
@@ -25,15 +26,17 @@ class BackOff:
     (:class:`~hf_specdec.costs.RecentMinimum`, as the target's costs are); a proposal pays when either its expected
     tokens or what the recent proposals actually committed (:meth:`observe`) cover its cost, so a drafter whose
     drafts are being accepted never switches itself off; and skipping starts only after two proposals in a row did
-    not pay (hysteresis).
+    not pay (hysteresis). ``rules``: the call's (:mod:`hf_specdec.adaptive`): ``backoff``, ``backoff_hysteresis``,
+    ``backoff_realized`` and ``recent_minimum`` off drop each of these.
     """
 
     MISSES = 2  # proposals in a row that must not pay before proposals are skipped
 
-    def __init__(self, limit: int = 16):
+    def __init__(self, limit: int = 16, rules: Rules = ALL_ON):
         self.limit, self.skip, self.length, self.misses = limit, 0, 0, 0
+        self.rules = rules
         self._step: float | None = None
-        self.draft_times = RecentMinimum(window=8)
+        self.draft_times = RecentMinimum(window=8 if rules.recent_minimum else 1)
         self.realized: float | None = None  # tokens a verification of drafts committed per row (running)
 
     @property
@@ -51,7 +54,8 @@ class BackOff:
             self.draft_times.add(seconds)
         if expected is not None and self.draft_cost:
             cost = verify + self.draft_cost
-            self.update(paid=max(expected, self.realized or 0.0) / cost >= 1.0)
+            realized = (self.realized or 0.0) if self.rules.backoff_realized else 0.0
+            self.update(paid=max(expected, realized) / cost >= 1.0)
 
     def observe(self, tree, result) -> None:
         """Record what a verification of this drafter's proposal committed per row, over the rows that committed
@@ -66,8 +70,8 @@ class BackOff:
             self.realized = mean if self.realized is None else 0.7 * self.realized + 0.3 * mean
 
     def skipping(self) -> bool:
-        """Whether this step's proposal is skipped (counts the step down)."""
-        if self.skip > 0:
+        """Whether this step's proposal is skipped (counts the step down; never with the rule backoff off)."""
+        if self.skip > 0 and self.rules.backoff:
             self.skip -= 1
             return True
         return False
@@ -77,7 +81,7 @@ class BackOff:
             self.length = self.misses = 0
         else:
             self.misses += 1
-            if self.misses >= self.MISSES:
+            if self.misses >= (self.MISSES if self.rules.backoff_hysteresis else 1):
                 self.length = min(max(1, 2 * self.length), self.limit)
         self.skip = self.length
 
@@ -117,9 +121,12 @@ class Proposer:
         name: the method name used in statistics and error messages.
         typical_acceptance: ``(threshold, alpha)`` to verify with Medusa's typical acceptance (lossy, sampling
             only; :func:`hf_specdec.verify.accept`), or ``None`` for the exact rules.
+        rules: the call's adaptive rules (:class:`~hf_specdec.adaptive.Rules`): a proposer with rules of its own
+            takes ``state.rules`` in ``begin``; every rule on until then.
     """
 
     target_hidden_states: list[int] | None = None
+    rules: Rules = ALL_ON
     typical_acceptance: tuple[float, float] | None = None
     max_nodes: int = 1
     name: str = "proposer"

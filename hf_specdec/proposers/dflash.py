@@ -115,7 +115,7 @@ class DFlashProposer(FeatureDrafterProposer):
         the first :attr:`HEAD_FIRST` positions are scored first and the rest only while some row's drafts are still
         likely enough (calibrated cumulative confidence >= :attr:`HEAD_MORE`) to be kept."""
         need = min(hidden.shape[1], max(state.max_drafts))
-        first = min(need, self.HEAD_FIRST) if self.adaptive else need
+        first = min(need, self.HEAD_FIRST) if self.adaptive and self.rules.dflash_head_first else need
         logits = self.drafter.draft_logits(hidden[:, :first]).float().to(state.device)
         if first < need:
             confidence = torch.softmax(logits, dim=-1).max(-1).values * min(self.calibration, 1.5)
@@ -227,7 +227,7 @@ class DFlashProposer(FeatureDrafterProposer):
         judgement (``best``: the best row's ``(expected tokens, verification cost)`` when it pays; ``t0``: when the
         proposal started, ``None`` for one that fed a backlog of context). ``None`` when no row keeps a draft."""
         bsz = state.batch_size
-        if self.adaptive and bsz > 1 and state.cost_model is not None:  # the rows share one forward
+        if self.adaptive and self.rules.batch_cap and bsz > 1 and state.cost_model is not None:  # one shared forward
             reach = [r[:k] for r, k in zip(reach, kept)]
             cap = batch_cap(reach, state.cost_model, state.active)
             kept = [min(k, cap) for k in kept]

@@ -109,12 +109,14 @@ class DraftModelProposer(Proposer):
         check_same_vocabulary(model, self.drafter)
 
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns already in the drafter cache
         self.fed = 0  # columns the drafter added beyond `synced` in the last propose
         self.tree = None  # the tree of the last propose
         self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
-        self.token_seconds = RecentMinimum(window=16)  # single-token drafter forwards (robust to a busy machine)
+        # single-token drafter forwards (robust to a busy machine; the rule recent_minimum off: the latest)
+        self.token_seconds = RecentMinimum(window=16 if self.rules.recent_minimum else 1)
         t_params = sum(p.numel() for p in state.model.parameters())
         d_params = sum(p.numel() for p in self.drafter.parameters())
         if self.head is not None:
@@ -127,7 +129,7 @@ class DraftModelProposer(Proposer):
     def _draft_cost(self, state) -> float:
         step = state.cost_model.step_seconds()
         seconds = self.token_seconds.value()
-        if seconds is None or not step:
+        if seconds is None or not step or not self.rules.measured_costs:
             return self.prior_cost
         return seconds / step
 

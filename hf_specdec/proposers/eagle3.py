@@ -209,7 +209,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         read: drafting stops where no row's next draft could add 2 % to its expected acceptance, without reading
         anything mid-proposal)."""
         limit = min(most, max(state.max_drafts))
-        if self.adaptive and self._confident is not None:
+        if self.adaptive and self.rules.eagle3_depth_limit and self._confident is not None:
             limit = min(limit, self._confident + 1)
         return limit
 
@@ -372,7 +372,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             self._judge_depths(state, [host[bsz * keep_n + b * depths:bsz * keep_n + (b + 1) * depths]
                                        for b in range(bsz)])
             counts = [min(c, self._pays(state, r)) for c, r in zip(counts, reach)]
-            if bsz > 1 and state.cost_model is not None:  # the rows share one forward
+            if self.rules.batch_cap and bsz > 1 and state.cost_model is not None:  # the rows share one forward
                 cap = batch_cap([[p * self.calibration for p in r[:c]] for r, c in zip(reach, counts)],
                                 state.cost_model, state.active)
                 counts = [min(c, cap) for c in counts]

@@ -9,8 +9,11 @@ What every such proposer does the same way, written once here:
   (:meth:`commit`), after a compaction the same columns are gathered (:meth:`on_compact`). ``cache`` is the
   drafter's own KV cache and ``synced`` the number of target columns whose drafter rows it holds.
 * **calibration**: the drafter's confidence predicts how many drafts are accepted; ``calibration`` is the running
-  ratio of accepted to predicted drafts (a subclass stores its prediction in ``_predicted``, one float per row).
+  ratio of accepted to predicted drafts (a subclass stores its prediction in ``_predicted``, one float per row; the
+  adaptive rule ``drafter_calibration``, :mod:`hf_specdec.adaptive`).
 * **back-off**: ``backoff`` (:class:`~hf_specdec.proposers.base.BackOff`) skips proposals that do not pay.
+
+The call's adaptive rules (``rules``) are taken from the state in ``begin`` (:meth:`_start`).
 """
 
 from __future__ import annotations
@@ -54,16 +57,17 @@ class FeatureDrafterProposer(Proposer):
         self.target_hidden_states = self.hidden_state_ids(self.layer_ids)
 
     def begin(self, state) -> None:
-        self._start()
+        self._start(state)
         self.cache = DynamicCache()
         self.synced = 0
         self.features = self._fuse(state.hidden_states)  # [B, T, F]: one fused feature per layout column
 
-    def _start(self) -> None:
-        """What every call starts with: the drafter's device and dtype, a fresh back-off."""
+    def _start(self, state) -> None:
+        """What every call starts with: the call's adaptive rules, the drafter's device and dtype, a fresh back-off."""
+        self.rules = state.rules
         weight = self._drafter_weight()
         self.device, self.dtype = weight.device, weight.dtype
-        self.backoff = BackOff()
+        self.backoff = BackOff(rules=self.rules)
         self._additive: bool | None = None  # :meth:`_additive_masks`, looked up at the call's first mask
 
     def commit(self, state, tree, result) -> None:
@@ -147,7 +151,8 @@ class FeatureDrafterProposer(Proposer):
         the probability that draft ``i`` and the drafts before it are accepted; ``counts``: the drafts each row may
         have); the predictions are recorded for the calibration and the back-off."""
         counts = [min(c, self._pays(state, reach[b][:c])) if c else 0 for b, c in enumerate(counts)]
-        if self.adaptive and state.batch_size > 1 and state.cost_model is not None:  # the batch shares the forward
+        if self.adaptive and self.rules.batch_cap and state.batch_size > 1 and state.cost_model is not None:
+            # the batch shares the forward
             cap = batch_cap([[r * self.calibration for r in reach[b][:c]] for b, c in enumerate(counts)],
                             state.cost_model, state.active)
             counts = [min(c, cap) for c in counts]
@@ -185,6 +190,6 @@ class FeatureDrafterProposer(Proposer):
         if self._predicted is None:
             return
         predicted, accepted = sum(self._predicted), sum(result.num_accepted)
-        if predicted > 0:
+        if predicted > 0 and self.rules.drafter_calibration:  # off: the drafter's confidences as they are
             self.calibration = 0.9 * self.calibration + 0.1 * min(max(accepted / predicted, 0.2), 2.0)
         self._predicted = None

@@ -184,11 +184,12 @@ class Gemma4AssistantProposer(Proposer):
         self._captured = None
 
     def begin(self, state) -> None:
+        self.rules = state.rules
         weight = self.drafter.pre_projection.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.hidden = self._captured[:, -1].detach()  # [B, H]: the prompt's last position predicted the root
         self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
-        self.forward_seconds = RecentMinimum(window=16)
+        self.forward_seconds = RecentMinimum(window=16 if self.rules.recent_minimum else 1)
         t_params = sum(p.numel() for p in state.model.parameters())
         d_params = sum(p.numel() for p in self.drafter.parameters())
         self.prior_cost = 0.05 + d_params / max(t_params, 1)
@@ -261,7 +262,7 @@ class Gemma4AssistantProposer(Proposer):
     def _draft_cost(self, state) -> float:
         step = state.cost_model.step_seconds() if state.cost_model is not None else None
         seconds = self.forward_seconds.value()
-        if seconds is None or not step:
+        if seconds is None or not step or not self.rules.measured_costs:
             return self.prior_cost
         return seconds / step
 

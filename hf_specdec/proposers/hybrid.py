@@ -79,6 +79,7 @@ class HybridProposer(Proposer):
         self.lookup.prepare(model)
 
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.model.begin(state)
         self.lookup.begin(state)
         self.model_tokens = self.prior_tokens  # tokens a model-drafted row commits per step (running)
@@ -99,7 +100,7 @@ class HybridProposer(Proposer):
         use = []
         for b, d in enumerate(drafts):
             ok = d is not None and state.max_drafts[b] > 0
-            if ok and cost is not None:
+            if ok and cost is not None and self.rules.hybrid_choice:  # off: the drafter-free draft when there is one
                 ok = d.expected / cost.relative(len(d.tokens) + 1) >= rate
             use.append(ok)
         self.lookup.pending = [d if u else None for d, u in zip(drafts, use)]

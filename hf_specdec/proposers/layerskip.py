@@ -111,8 +111,10 @@ class LayerSkipProposer(Proposer):
         self.early_share = early / max(total + self.stack.head.weight.numel(), 1)
 
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.estimator = AcceptanceEstimator(prior_alpha=0.5, prior_weight=3.0, decay=0.9)
-        self.step_times = RecentMinimum(window=16)  # one drafting step: early layers + exit read-out
+        # one drafting step: early layers + exit read-out (the rule recent_minimum off: the latest)
+        self.step_times = RecentMinimum(window=16 if self.rules.recent_minimum else 1)
         self.prior_cost = self.early_share + (0.05 if self.adapter is None else 0.1)
         self.calibration = 1.0
         self._predicted = None
@@ -139,8 +141,11 @@ class LayerSkipProposer(Proposer):
 
     # ---- drafting
     def _draft_cost(self, state) -> float:
+        """A drafting step in one-token target steps: measured, else (or with the rule measured_costs off) the
+        early layers' share of the parameters."""
         step, seconds = state.cost_model.step_seconds(), self.step_times.value()
-        return seconds / step if seconds is not None and step else self.prior_cost
+        measured = seconds is not None and step and self.rules.measured_costs
+        return seconds / step if measured else self.prior_cost
 
     def _exit_logits(self, state, hidden, past_valid, past_pos, positions):
         """Draft logits ``[B, V]`` (fp32, the target's vocabulary, on the loop's device: an LM head placed by
@@ -230,7 +235,7 @@ class LayerSkipProposer(Proposer):
         for b, n_acc in enumerate(result.num_accepted):
             if result.paths[b] and proposed[b] > 0:
                 self.estimator.update("all", proposed[b], n_acc)
-        if self._predicted:  # accepted drafts over the confidence-predicted ones (the best row's), running
+        if self._predicted and self.rules.drafter_calibration:  # accepted over predicted drafts (the best row's)
             best = max(result.num_accepted)
             self.calibration = 0.9 * self.calibration + 0.1 * min(max(best / self._predicted, 0.2), 2.0)
         self._predicted = None

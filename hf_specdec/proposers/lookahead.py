@@ -158,6 +158,7 @@ class LookaheadProposer(Proposer):
 
     # ------------------------------------------------------------------------------------------------ life cycle
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.estimator = AcceptanceEstimator(prior_alpha=0.3, prior_weight=2.0, decay=0.95)
         self.rows = []
         for b in range(state.batch_size):
@@ -310,15 +311,17 @@ class LookaheadProposer(Proposer):
         window runs. Adaptive: the most expected tokens per unit of verification cost, ``(1 + sum of the guesses'
         probabilities + the window's yield per step) / relative_cost(1 + guesses + window nodes)``; the window's
         yield is what it earned (its accepted tokens and its n-grams' accepted tokens) per step it ran. A filling
-        window always runs; a full one that does not pay is switched off for a pause that doubles each time."""
+        window always runs; a full one that does not pay is switched off for a pause that doubles each time (the
+        rule lookahead_window_pause; off: the window always runs, only the guesses are cut)."""
         if not self.adaptive:
             return guesses, window
+        pausing = self.rules.lookahead_window_pause
         filling = window and len(row.levels) < self.ngram_size - 1
         order = sorted(range(len(guesses)), key=lambda j: -guesses[j].prob)  # stable: parents before children
         cost = state.cost_model
         w_nodes = sum(len(level) for level in row.levels) if window else 0
         yield_ = (row.credit + 0.3 * 2.0) / (row.runs + 2.0)  # prior: 0.3 tokens per step, weight of two steps
-        if filling:  # a window fills only where a full one could pay (not on a large batch's steep cost curve)
+        if filling and pausing:  # a window fills only where a full one could pay (not on a large batch's steep curve)
             full_nodes = self.window_size * (self.ngram_size - 1)
             filling = 1.0 + yield_ >= cost.relative(1 + full_nodes)
         best = None
@@ -326,7 +329,7 @@ class LookaheadProposer(Proposer):
         for n in range(len(order) + 1):
             if n:
                 expected += guesses[order[n - 1]].prob
-            for on in (True,) if filling else (False, True) if window else (False,):
+            for on in (True,) if filling or (window and not pausing) else (False, True) if window else (False,):
                 rate = (expected + (yield_ if on else 0.0)) / cost.relative(1 + n + (w_nodes if on else 0))
                 if best is None or rate > best[0]:
                     best = (rate, n, on)

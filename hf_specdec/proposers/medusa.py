@@ -128,7 +128,7 @@ class MedusaProposer(FeatureDrafterProposer):
         if self.typical_acceptance is not None and not state.do_sample:
             raise ValueError("acceptance='typical' is a sampling rule (do_sample=True); greedy Medusa decoding is "
                              "always exact. Drop acceptance= or pass do_sample=True.")
-        self._start()
+        self._start(state)
         self._worth = None
         hidden = self._fuse(state.hidden_states)  # [B, T, H]: the final hidden state of every prompt column
         last = state.layout.last_real().clamp(min=0).to(hidden.device)
@@ -209,7 +209,7 @@ class MedusaProposer(FeatureDrafterProposer):
         for b, nodes in enumerate(rows):
             order = sorted(nodes, key=lambda i: -reach[b][i])  # stable: ties keep pool order (parents first)
             ordered.append(order[:self._pays(state, [reach[b][i] for i in order])])
-        if state.batch_size > 1 and state.cost_model is not None:  # the rows share one forward
+        if self.rules.batch_cap and state.batch_size > 1 and state.cost_model is not None:  # rows share one forward
             cap = batch_cap([[reach[b][i] * self.calibration for i in nodes] for b, nodes in enumerate(ordered)],
                             state.cost_model, state.active)
             ordered = [nodes[:cap] for nodes in ordered]

@@ -77,6 +77,7 @@ class PromptLookupProposer(Proposer):
         self.max_nodes = num_tokens + 1
 
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.estimator = AcceptanceEstimator(prior_alpha=0.35, prior_weight=2.0, decay=0.9)
         self.indexes = [NgramIndex(self.max_ngram) for _ in range(state.batch_size)]
         self.streak = [False] * state.batch_size
@@ -102,9 +103,9 @@ class PromptLookupProposer(Proposer):
                 drafts.append(None)
                 continue
             k, key, alpha = len(cont), None, 1.0
-            if self.adaptive:
-                key = (n, self.streak[b])
-                alpha = self.estimator.alpha(key, self._prior(key))
+            if self.adaptive:  # acceptance per (n-gram size, streak); the rule lookup_keys off: one for every match
+                key = (n, self.streak[b]) if self.rules.lookup_keys else "all"
+                alpha = self.estimator.alpha(key, self._prior(key) if self.rules.lookup_keys else None)
                 k = best_draft_length(alpha, k, state.cost_model)
             drafts.append(RowDraft(cont[:k], list(range(k)), [alpha ** (i + 1) for i in range(k)], key)
                           if k else None)
@@ -112,7 +113,8 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, state):
         self.pending = self.row_drafts(state)
-        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive)  # constant: every row its most
+        # the batch's common cap (adaptive, the rule batch_cap); constant: every row its most
+        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive and self.rules.batch_cap)
 
     def commit(self, state, tree, result) -> None:
         self.learn(self.pending, result)

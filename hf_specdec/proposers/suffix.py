@@ -65,6 +65,7 @@ class SuffixProposer(Proposer):
         self.max_nodes = max_spec_tokens + 1
 
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.local = [SuffixIndex(self.max_depth) for _ in range(state.batch_size)]
         for b, index in enumerate(self.local):
             index.extend(0, state.row_list(b))
@@ -103,7 +104,8 @@ class SuffixProposer(Proposer):
             if not draft.tokens:
                 continue
             key = (source, _bucket(draft.match_len))
-            cal = self.calibration.setdefault(key, _PRIOR[key[1]])
+            # the rule suffix_calibration off: the index's own probabilities
+            cal = self.calibration.setdefault(key, _PRIOR[key[1]]) if self.rules.suffix_calibration else 1.0
             paths: list[tuple] = []
             for token, parent, prob in zip(draft.tokens, draft.parents, draft.probs):
                 path = (paths[parent] if parent >= 0 else ()) + (token,)
@@ -138,7 +140,8 @@ class SuffixProposer(Proposer):
 
     def propose(self, state):
         self.pending = self.row_drafts(state)
-        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive)  # constant: every row its most
+        # the batch's common cap (adaptive, the rule batch_cap); constant: every row its most
+        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive and self.rules.batch_cap)
 
     def commit(self, state, tree, result) -> None:
         for b, new in enumerate(result.new_tokens):
@@ -152,7 +155,9 @@ class SuffixProposer(Proposer):
 
     def learn(self, drafts: list[RowDraft | None], result) -> None:
         """Calibrate each source's match-length buckets: the drafts of that source on the accepted path over the
-        sum of their estimated probabilities."""
+        sum of their estimated probabilities (nothing with the rule suffix_calibration off)."""
+        if not self.rules.suffix_calibration:
+            return
         for d, path in zip(drafts, result.paths):
             if d is None or not isinstance(d.key, dict):
                 continue

@@ -237,6 +237,7 @@ class UniversalProposer(Proposer):
 
     # ---- life cycle
     def begin(self, state) -> None:
+        self.rules = state.rules
         self.device = self.drafter.device
         config = self.drafter.config
         self.window = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
@@ -250,9 +251,9 @@ class UniversalProposer(Proposer):
             skip = len(self.t_prefix) if self.t_prefix and ids[:len(self.t_prefix)] == self.t_prefix else 0
             self.starts.append(skip)
         self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
-        self.token_seconds = RecentMinimum(window=16)  # one-token drafter forwards
+        self.token_seconds = RecentMinimum(window=16 if self.rules.recent_minimum else 1)  # one-token drafter forwards
         self.ratio = 1.0  # target tokens per drafter token of the drafts (running)
-        self.backoff = BackOff()
+        self.backoff = BackOff(rules=self.rules)
         self.quiet = 0  # steps since the last proposal
         self.measured = False  # the proposal that measures the drafter's cost was made
         head_rows = self.vocab.numel() if self.vocab is not None else None
@@ -280,7 +281,7 @@ class UniversalProposer(Proposer):
             alpha = self.estimator.alpha("all")
             drafts.append(RowDraft(tokens, list(range(len(tokens))), [alpha ** (i + 1) for i in range(len(tokens))]))
         self.pending = drafts
-        tree = tree_from_row_drafts(state, drafts, batch_rule=self.adaptive)
+        tree = tree_from_row_drafts(state, drafts, batch_rule=self.adaptive and self.rules.batch_cap)
         if self.adaptive and state.cost_model is not None:
             kept = [d for d in drafts if d is not None]
             worth = None
@@ -310,7 +311,9 @@ class UniversalProposer(Proposer):
     # ---- the draft length
     def _draft_cost(self, state) -> float:
         """One drafter token in one-token target steps: measured in this call, else in an earlier call with this
-        drafter, else from the parameter counts."""
+        drafter, else (and with the rule measured_costs off) from the parameter counts."""
+        if not self.rules.measured_costs:
+            return self.prior_cost
         step = state.cost_model.step_seconds() if state.cost_model is not None else None
         seconds = self.token_seconds.value()
         if seconds is not None and step:
@@ -341,8 +344,10 @@ class UniversalProposer(Proposer):
         if best_k:
             self.quiet = 0
             return best_k
-        hopeless = self._best(cost, 0.999, c_d)[0] == 0
-        if self.quiet >= (HOPELESS_EXPLORE if hopeless else cost.EXPLORE_EVERY) and (hopeless or cost.explore_due()):
+        # a hopeless drafter is retried rarely (the rule universal_hopeless; off: explored as any other)
+        hopeless = self.rules.universal_hopeless and self._best(cost, 0.999, c_d)[0] == 0
+        if self.quiet >= (HOPELESS_EXPLORE if hopeless else cost.EXPLORE_EVERY) and (
+                (hopeless and self.rules.exploration) or cost.explore_due()):
             self.quiet = 0
             return 2
         return 0
