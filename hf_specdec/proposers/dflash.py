@@ -21,11 +21,7 @@ prefix of ``n`` nodes that maximises the expected tokens (1 + the nodes' calibra
 measured verification cost ``c(n + 1)``, as the chain's length is chosen; the constant schedule the whole budget.
 Drafts are deterministic (each position's most likely tokens, after the call's logits processors, or under coupled
 sampling its noise), so sampling is exact by the verifier's rule for such drafts. One host read per proposal (the
-positions' top probabilities and tokens). SmolLM2-135M with the shipped drafter, greedy, 4 prompts per set, 64
-tokens, AMD EPYC CPU (benchmarks/ddtree.py, benchmarks/RESULTS.md): with every node verified, fp32 τ 2.22 / 2.00 /
-1.57 (budget 15) against the chain's 1.75 / 1.56 / 1.30 (block 16) on GSM8K / HumanEval / MT-bench; adaptive, where
-a wide verification costs several plain steps, fp32 ties the chain (0.98-1.05x vs 0.89-1.01x over plain_kernels) and
-bf16 keeps more nodes (τ 1.94 vs 1.72 on GSM8K, 1.26x vs 1.19x over plain_kernels).
+positions' top probabilities and tokens). Measured τ and speed against the chain: benchmarks/RESULTS.md, "DDTree".
 """
 
 from __future__ import annotations
