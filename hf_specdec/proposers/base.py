@@ -16,6 +16,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import AcceptResult
 
 
+def rules_of(state) -> Rules:
+    """The call's adaptive rules (:class:`~hf_specdec.adaptive.Rules`); every rule on for a state that carries none
+    (a proposer driven by a state of its caller's own making)."""
+    return getattr(state, "rules", ALL_ON)
+
 class BackOff:
     """Exponential back-off for a drafter that does not pay: after proposals that were not worth it, skip the next
     1, 2, 4 .. ``limit`` proposals; one that pays resets it.

@@ -14,7 +14,7 @@ from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree, build_attention_mask
-from .base import Proposer, next_draft
+from .base import Proposer, next_draft, rules_of
 from .hybrid import HYBRID
 
 CONSTANT_TOKENS = 5  # the draft length of draft_length_schedule="constant" when num_speculative_tokens is not given
@@ -109,7 +109,7 @@ class DraftModelProposer(Proposer):
         check_same_vocabulary(model, self.drafter)
 
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns already in the drafter cache
         self.fed = 0  # columns the drafter added beyond `synced` in the last propose

@@ -24,7 +24,7 @@ from transformers.cache_utils import DynamicCache
 from ..costs import batch_cap, best_count
 from ..syncs import to_device
 from ..tree import additive_mask, build_attention_mask
-from .base import BackOff, Proposer
+from .base import BackOff, Proposer, rules_of
 
 
 class FeatureDrafterProposer(Proposer):
@@ -64,7 +64,7 @@ class FeatureDrafterProposer(Proposer):
 
     def _start(self, state) -> None:
         """What every call starts with: the call's adaptive rules, the drafter's device and dtype, a fresh back-off."""
-        self.rules = state.rules
+        self.rules = rules_of(state)
         weight = self._drafter_weight()
         self.device, self.dtype = weight.device, weight.dtype
         self.backoff = BackOff(rules=self.rules)

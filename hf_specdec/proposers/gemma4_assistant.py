@@ -46,7 +46,7 @@ from ..attention import to_mask, tree_mask_format
 from ..costs import AcceptanceEstimator, RecentMinimum, best_count
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree
-from .base import Proposer, next_draft
+from .base import Proposer, next_draft, rules_of
 
 CONSTANT_TOKENS = 4  # draft length of draft_length_schedule="constant" when neither the option nor the assistant says
 MAX_TOKENS = 8  # the longest draft the adaptive length may choose
@@ -184,7 +184,7 @@ class Gemma4AssistantProposer(Proposer):
         self._captured = None
 
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         weight = self.drafter.pre_projection.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.hidden = self._captured[:, -1].detach()  # [B, H]: the prompt's last position predicted the root

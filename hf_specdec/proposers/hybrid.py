@@ -22,7 +22,7 @@ import torch
 from ..registry import Option
 from ..syncs import to_device
 from ..tree import DraftTree
-from .base import Proposer, RowDraft
+from .base import Proposer, RowDraft, rules_of
 
 HYBRID = Option("hybrid", object, None,
                 "also draft without the model: 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache (suffix decoding "
@@ -79,7 +79,7 @@ class HybridProposer(Proposer):
         self.lookup.prepare(model)
 
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.model.begin(state)
         self.lookup.begin(state)
         self.model_tokens = self.prior_tokens  # tokens a model-drafted row commits per step (running)

@@ -33,7 +33,7 @@ from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
 from ..tree import DraftTree, Resume, build_attention_mask
-from .base import Proposer, next_draft
+from .base import Proposer, next_draft, rules_of
 
 CONSTANT_TOKENS = 4  # draft_length_schedule="constant" when num_speculative_tokens is not given
 MAX_TOKENS = 10  # the longest draft the adaptive length may choose
@@ -111,7 +111,7 @@ class LayerSkipProposer(Proposer):
         self.early_share = early / max(total + self.stack.head.weight.numel(), 1)
 
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.estimator = AcceptanceEstimator(prior_alpha=0.5, prior_weight=3.0, decay=0.9)
         # one drafting step: early layers + exit read-out (the rule recent_minimum off: the latest)
         self.step_times = RecentMinimum(window=16 if self.rules.recent_minimum else 1)

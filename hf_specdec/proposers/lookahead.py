@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from ..costs import AcceptanceEstimator
 from ..registry import SCHEDULE, Method, Option
 from ..tree import DraftTree
-from .base import Proposer
+from .base import Proposer, rules_of
 
 WINDOW = Option("window_size", int, 3, "W: columns of the Jacobi window (n-grams it yields per step)")
 NGRAM = Option("ngram_size", int, 4, "N: n-gram size (the window keeps N - 1 levels; a guess drafts N - 1 tokens)")
@@ -158,7 +158,7 @@ class LookaheadProposer(Proposer):
 
     # ------------------------------------------------------------------------------------------------ life cycle
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.estimator = AcceptanceEstimator(prior_alpha=0.3, prior_weight=2.0, decay=0.95)
         self.rows = []
         for b in range(state.batch_size):

@@ -6,7 +6,7 @@ import torch
 
 from ..costs import AcceptanceEstimator, best_draft_length
 from ..registry import SCHEDULE, Method, Option
-from .base import Proposer, RowDraft, tree_from_row_drafts
+from .base import Proposer, RowDraft, rules_of, tree_from_row_drafts
 
 NUM_TOKENS = Option("prompt_lookup_num_tokens", int, 20, "the most drafts per step")
 MAX_NGRAM = Option("max_matching_ngram_size", int, 5, "the longest suffix n-gram matched")
@@ -77,7 +77,7 @@ class PromptLookupProposer(Proposer):
         self.max_nodes = num_tokens + 1
 
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.estimator = AcceptanceEstimator(prior_alpha=0.35, prior_weight=2.0, decay=0.9)
         self.indexes = [NgramIndex(self.max_ngram) for _ in range(state.batch_size)]
         self.streak = [False] * state.batch_size

@@ -12,7 +12,7 @@ import itertools
 
 from ..costs import best_count
 from ..registry import SCHEDULE, Method, Option, Shorthand
-from .base import Proposer, RowDraft, tree_from_row_drafts
+from .base import Proposer, RowDraft, rules_of, tree_from_row_drafts
 from .suffix_index import SuffixCache, SuffixDraft, SuffixIndex
 
 
@@ -65,7 +65,7 @@ class SuffixProposer(Proposer):
         self.max_nodes = max_spec_tokens + 1
 
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.local = [SuffixIndex(self.max_depth) for _ in range(state.batch_size)]
         for b, index in enumerate(self.local):
             index.extend(0, state.row_list(b))

@@ -35,7 +35,7 @@ from transformers.cache_utils import DynamicCache
 from .. import cache as cache_ops
 from ..costs import AcceptanceEstimator, RecentMinimum
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
-from .base import BackOff, Proposer, RowDraft, tree_from_row_drafts
+from .base import BackOff, Proposer, RowDraft, rules_of, tree_from_row_drafts
 from .draft_model import restricted_head
 
 CONSTANT_TOKENS = 5  # drafter tokens per step of draft_length_schedule="constant" without num_speculative_tokens
@@ -237,7 +237,7 @@ class UniversalProposer(Proposer):
 
     # ---- life cycle
     def begin(self, state) -> None:
-        self.rules = state.rules
+        self.rules = rules_of(state)
         self.device = self.drafter.device
         config = self.drafter.config
         self.window = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
