@@ -21,6 +21,7 @@ def rules_of(state) -> Rules:
     (a proposer driven by a state of its caller's own making)."""
     return getattr(state, "rules", ALL_ON)
 
+
 class BackOff:
     """Exponential back-off for a drafter that does not pay: after proposals that were not worth it, skip the next
     1, 2, 4 .. ``limit`` proposals; one that pays resets it.
