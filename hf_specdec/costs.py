@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import math
+import weakref
 
 from .adaptive import ALL_ON, Rules
 
@@ -122,6 +123,9 @@ class ForwardCostModel:
         self._explored = 0  # clock of the last exploratory proposal
         self.too_costly: int | None = None  # calibration stopped before this size (see calibration_sizes)
         self.gates: dict[str, SpeculationGate] = {}  # per method: whether speculating pays at this batch size
+        # a drafter (module) -> one drafter token's measured cost in this target's one-token steps at this batch size
+        # (universal drafting: a call starts from what the calls before it measured)
+        self.drafter_steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     def gate_for(self, method: str) -> "SpeculationGate":
         """The :class:`SpeculationGate` of ``method`` at this batch size (created on first use)."""
@@ -170,6 +174,16 @@ class ForwardCostModel:
         return True
 
     CALIBRATION_STOP = 3.0  # relative cost past which larger sizes are not timed (a large batch's steep curve)
+
+    def calibrated(self, q: int, seconds: float) -> bool:
+        """Record a calibration forward of ``q`` tokens; True when larger sizes are not worth timing: this one cost
+        more than :attr:`CALIBRATION_STOP` measured steps (the stop is kept for later calls, lowered, never raised).
+        Decided from the measurements, whatever rules a call runs under."""
+        self.record(q, seconds)
+        if q > 1 and self.relative(q) > self.CALIBRATION_STOP:
+            self.too_costly = min(q + 1, self.too_costly or q + 1)
+            return True
+        return False
 
     def calibration_sizes(self, max_nodes: int) -> list[int]:
         """Sizes worth timing once before decoding: those up to ``max_nodes`` not measured yet, none past a size that
@@ -232,13 +246,12 @@ class CallCosts:
     def calibration_sizes(self, max_nodes: int) -> list[int]:
         return self.model.calibration_sizes(max_nodes)
 
-    @property
-    def too_costly(self) -> int | None:
-        return self.model.too_costly
+    def calibrated(self, q: int, seconds: float) -> bool:
+        return self.model.calibrated(q, seconds)
 
-    @too_costly.setter
-    def too_costly(self, size: int | None) -> None:
-        self.model.too_costly = size
+    @property
+    def drafter_steps(self) -> "weakref.WeakKeyDictionary":
+        return self.model.drafter_steps
 
 
 class AcceptanceEstimator:

@@ -204,10 +204,8 @@ class TargetSession:
         timed(1)
         done = []
         for q in sizes:
-            cost.record(q, timed(q))
             done.append(q)
-            if q > 1 and cost.relative(q) > cost.CALIBRATION_STOP:
-                cost.too_costly = min(q + 1, cost.too_costly or q + 1)  # never raised: one call's stop holds for all
+            if cost.calibrated(q, timed(q)):  # the kept model's stop, from what it measured
                 break
         for q in done:
             cost.record(q, timed(q))

@@ -45,7 +45,6 @@ ASSISTANT_LOOKBEHIND = 10  # drafter tokens re-encoded as the committed text gro
 DECODE_LOOKBEHIND = 6  # tokens decoded before a new one, so that its text is the difference of two decodes
 BACKLOG = 16  # drafter tokens fed at once past which a proposal's time is not the typical one
 HOPELESS_EXPLORE = 128  # steps between proposals of a drafter that would not pay even with every draft accepted
-_MEASURED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # drafter -> its measured cost (target steps)
 
 
 def _leading_specials(tokenizer) -> list[int]:
@@ -317,10 +316,15 @@ class UniversalProposer(Proposer):
         step = state.cost_model.step_seconds() if state.cost_model is not None else None
         seconds = self.token_seconds.value()
         if seconds is not None and step:
-            _MEASURED[self.drafter] = seconds / step
+            state.cost_model.drafter_steps[self.drafter] = seconds / step  # kept by the target's runner
             return seconds / step
-        earlier = _MEASURED.get(self.drafter)
+        earlier = self._earlier_cost(state)
         return earlier if earlier is not None else self.prior_cost
+
+    def _earlier_cost(self, state) -> float | None:
+        """This drafter's cost as an earlier call with this target and batch size measured it (the target runner's
+        kept cost model holds it), or None."""
+        return state.cost_model.drafter_steps.get(self.drafter) if state.cost_model is not None else None
 
     def _length(self, state) -> int:
         """Drafter tokens to draft this step (0: none): the count maximising expected target tokens per unit of time,
@@ -336,7 +340,7 @@ class UniversalProposer(Proposer):
         if cost is None:
             return self.max_tokens
         self.quiet += 1
-        if not self.measured and self.token_seconds.value() is None and _MEASURED.get(self.drafter) is None:
+        if not self.measured and self.token_seconds.value() is None and self._earlier_cost(state) is None:
             self.measured = True
             return 2  # measure the drafter's one-token cost once
         c_d = self._draft_cost(state)
