@@ -2,7 +2,9 @@
 one run, on SmolLM2-135M-Instruct with the drafters shipped for it.
 
 Per batch size and method, the rows are: every rule on (``all rules``), then each rule that acts in the method
-switched off alone (``- <rule>``; the gate's and the batch cap's only at batch > 1), then the constant schedule (no
+switched off alone (``- <rule>``; the gate's and the batch cap's only at batch > 1), with every rule on once more
+halfway through them (``all rules again``: the control, whose speed against ``all rules`` is the noise of one
+pairing), then the constant schedule (no
 cost-sized draft counts at all, the rules that act on a method's own drafts with them); beside them stock greedy
 ``generate()`` (``plain``) and, on a CPU, ``plain_kernels`` (the loop's CPU kernels given to plain decoding,
 :func:`hf_specdec.kernels.padded_plain_decoding`: speculation's own share). The rules reach the loop as a user passes
@@ -14,7 +16,9 @@ round to round, so that drift of a shared machine falls on all rows alike; a war
 size first. With ``--busy`` one separate process keeps a CPU core busy (hf_specdec.bench.load) while the rows run;
 ``--busy both`` runs each round quiet and busy, alternating which comes first. The runner's measured costs are kept
 per model and batch size across calls, as in any use of the library: a row starts from what the rows before it
-measured (the rotation spreads that too). Every output is compared with ``generate()``'s, token for token.
+measured (the rotation spreads that too); with ``--fresh`` every call starts from nothing measured, as the first
+call of a process (the rules that act on first use: ``calibration``, ``device_priors``). Every output is compared
+with ``generate()``'s, token for token.
 
 Reported per load condition, set, batch size, method and row: tokens/s (new tokens up to each row's end over the
 calls' wall time), the speed against the method's ``all rules`` row (median over the paired calls: same prompts,
@@ -22,10 +26,11 @@ same round; above 1: faster without the rule), τ (committed tokens per verifica
 against ``plain_kernels`` (median over paired calls) and how many outputs equal ``generate()``'s.
 
     python benchmarks/ablation.py [--methods prompt_lookup,suffix,eagle3,dflash,hybrid] [--sets chat,math,copy]
-        [--batch 1,4] [--rules all] [--prompts 4] [--max-new-tokens 64] [--repeats 3] [--busy [on|both]]
-        [--dtype float32] [--threads N] [--out runs/ablation]
+        [--batch 1,4] [--rules all] [--shared prompt_lookup,eagle3] [--prompts 4] [--max-new-tokens 64] [--repeats 3]
+        [--busy [on|both]] [--busy-sets math] [--fresh] [--dtype float32] [--threads N] [--out runs/ablation]
 
-``--out`` writes ``ablation.json`` (configuration, machine, every call, the summary) and ``ablation.md`` (the table).
+``--out`` writes ``ablation.json`` (configuration, machine, every call, the summary) and ``ablation.md`` (the table),
+and ``runs.jsonl`` call by call while it runs (``--summarize runs.jsonl`` prints the table of a run cut short).
 Needs the loop option ``adaptive_rules`` (hf_specdec.registry.LOOP_OPTIONS).
 """
 
@@ -44,7 +49,7 @@ import torch
 import transformers
 
 import hf_specdec
-from hf_specdec import registry
+from hf_specdec import registry, runners
 from hf_specdec.adaptive import Rules
 from hf_specdec.bench.data import load
 from hf_specdec.bench.load import background_load
@@ -89,14 +94,20 @@ APPLIES = {
     "universal": COSTS + GATE + BACKOFF + ("batch_cap", "universal_hopeless"),
 }
 BATCH_ONLY = set(GATE) | {"batch_cap"}
-ALL, CONSTANT = "all rules", "constant schedule"
+SHARED = FEATURES  # the rules that act in several methods; --shared names the methods that switch them off
+ALL, CONSTANT, CONTROL = "all rules", "constant schedule", "all rules again"
 
 
-def rows_of(label: str, batch: int, rules: list[str]) -> list[tuple[str, dict]]:
+def rows_of(label: str, batch: int, rules: list[str], shared: list[str] | None = None) -> list[tuple[str, dict]]:
     """``(row name, generate keywords)`` of a method at a batch size: every rule on, each of ``rules`` that acts in
-    it off alone, the constant schedule."""
-    off = [r for r in APPLIES[label] if r in rules and (batch > 1 or r not in BATCH_ONLY)]
-    return ([(ALL, {"adaptive_rules": Rules()})] + [(f"- {r}", {"adaptive_rules": Rules().without(r)}) for r in off]
+    it off alone (the rules shared by several methods only where ``label`` is in ``shared``; None: everywhere), with
+    every rule on once more halfway through (the control: its speed against the first is the noise of a pairing),
+    the constant schedule."""
+    off = [r for r in APPLIES[label] if r in rules and (batch > 1 or r not in BATCH_ONLY)
+           and (shared is None or label in shared or r not in SHARED)]
+    rows = [(f"- {r}", {"adaptive_rules": Rules().without(r)}) for r in off]
+    half = len(rows) // 2  # the control: every rule on again, halfway through the method's rows
+    return ([(ALL, {"adaptive_rules": Rules()})] + rows[:half] + [(CONTROL, {"adaptive_rules": Rules()})] + rows[half:]
             + [(CONSTANT, {"draft_length_schedule": "constant"})])
 
 
@@ -148,6 +159,8 @@ class Ablation:
                 out = self.model.generate(**kw)
             return time.perf_counter() - t0, out, None
         method, opts = METHODS[label]
+        if self.args.fresh:  # no kept runner: the call measures its costs from nothing, as a process's first call
+            runners.PER_MODEL.runners.pop(self.model, None)
         out = self.model.generate(**kw, return_dict_in_generate=True,
                                   custom_generate=hf_specdec.decoding_method(method, **self.options[method], **opts),
                                   **extra)
@@ -157,7 +170,7 @@ class Ablation:
         """Every row of a round at ``batch``: ``(method label or None for a baseline, row name, generate keywords)``."""
         baselines = [(None, "plain", {})] + ([(None, "plain_kernels", {})] if self.device.type == "cpu" else [])
         return baselines + [(label, row, extra) for label in self.args.methods
-                            for row, extra in rows_of(label, batch, self.args.rules)]
+                            for row, extra in rows_of(label, batch, self.args.rules, self.args.shared)]
 
     # ---- the run
     def run(self) -> None:
@@ -178,8 +191,9 @@ class Ablation:
                     ref = self.model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False)
                     prompt_len = enc["input_ids"].shape[1]
                     tokens = new_tokens(ref, prompt_len, self.eos)
+                    loads = conditions if args.busy_sets is None or set_name in args.busy_sets else [False]
                     for repeat in range(args.repeats):
-                        order = conditions if round_no % 2 == 0 else conditions[::-1]
+                        order = loads if round_no % 2 == 0 else loads[::-1]
                         for busy in order:
                             start = round_no % len(rows)
                             with background_load() if busy else contextlib.nullcontext():
@@ -196,6 +210,9 @@ class Ablation:
             run.update({k: stats[k] for k in ("committed_tokens", "verify_row_steps", "proposed_drafts",
                                               "accepted_drafts", "target_forward_passes", "acceptance_length")})
         self.runs.append(run)
+        if self.args.out:  # every call as it happens: a run cut short keeps what it measured (--summarize reads it)
+            with open(Path(self.args.out) / "runs.jsonl", "a") as f:
+                f.write(json.dumps(run) + "\n")
         tau = f" τ {stats['acceptance_length']:.2f}" if stats else ""
         print(f"{'busy ' if busy else 'quiet'} {set_name:5s} b{batch} {run['prompts']:>14s} r{repeat} "
               f"{run['method']:14s} {row:28s} {tokens / seconds:7.1f} tok/s{tau}{'' if identical else '  DIFFERS'}",
@@ -244,6 +261,31 @@ def markdown(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def by_rule(summary: list[dict]) -> str:
+    """One line per rule across every condition where it was switched off (load, set, batch, method): the median of
+    its speed against ``all rules`` (above 1: faster without it), the lowest and highest, in how many conditions the
+    loop was at least 3 % slower or faster without it, and τ with and without it (summed over the conditions)."""
+    full = {(s["busy"], s["set"], s["batch"], s["method"]): s for s in summary if s["row"] == ALL}
+    rules: dict[str, list[tuple[dict, dict]]] = {}
+    for s in summary:
+        if s["row"].startswith("- ") or s["row"] in (CONSTANT, CONTROL):
+            base = full.get((s["busy"], s["set"], s["batch"], s["method"]))
+            if base is not None and s["vs_all_rules"] is not None:
+                rules.setdefault(s["row"], []).append((s, base))
+    lines = ["| rule off | methods | conditions | speed vs all rules: median | lowest | highest | ≥3 % slower | "
+             "≥3 % faster | τ all rules → off |", "|---" * 9 + "|"]
+    for row, pairs in rules.items():
+        ratios = [s["vs_all_rules"] for s, _ in pairs]
+        taus = [(b["tau"], s["tau"]) for s, b in pairs if s["tau"] is not None and b["tau"] is not None]
+        tau = (f"{statistics.mean(t for t, _ in taus):.2f} → {statistics.mean(t for _, t in taus):.2f}"
+               if taus else "–")
+        methods = ", ".join(sorted({s["method"] for s, _ in pairs}))
+        lines.append(f"| {row} | {methods} | {len(pairs)} | {statistics.median(ratios):.3f}x | {min(ratios):.3f}x | "
+                     f"{max(ratios):.3f}x | {sum(r < 0.97 for r in ratios)} | {sum(r > 1.03 for r in ratios)} | "
+                     f"{tau} |")
+    return "\n".join(lines)
+
+
 def _list(text: str, known, what: str) -> list[str]:
     values = [v for v in text.split(",") if v]
     unknown = [v for v in values if v not in known]
@@ -258,27 +300,45 @@ def main(argv=None) -> None:
     p.add_argument("--sets", default="chat,math,copy", help=f"of {', '.join(SETS)}")
     p.add_argument("--batch", default="1,4", help="batch sizes, comma separated")
     p.add_argument("--rules", default="all", help="the rules switched off in turn (default: all of them)")
+    p.add_argument("--shared", default=None,
+                   help="the methods in which the rules several methods share are switched off (default: every "
+                        "method); the others switch off only their own rules")
     p.add_argument("--prompts", type=int, default=4, help="prompts per set and batch size")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="rounds per prompt batch (the row order rotates)")
     p.add_argument("--busy", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                    help="one CPU core kept busy by another process: 'on' (the flag alone), or 'both' (quiet too)")
+    p.add_argument("--busy-sets", default=None, help="the sets that run the busy rounds too (default: every set)")
+    p.add_argument("--fresh", action="store_true",
+                   help="every call starts with no measured costs (its target's kept runner dropped before it), as "
+                        "the first call of a process: what calibration and device_priors act on")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", default=None, help="a folder for ablation.json and ablation.md")
+    p.add_argument("--out", default=None, help="a folder for ablation.json, ablation.md and runs.jsonl (each call)")
+    p.add_argument("--summarize", default=None, help="a runs.jsonl of an earlier run: print its table, run nothing")
     args = p.parse_args(argv)
     args.methods = _list(args.methods, METHODS, "method")
     args.sets = _list(args.sets, SETS, "set")
     args.rules = list(Rules.names()) if args.rules == "all" else _list(args.rules, Rules.names(), "rule")
+    args.busy_sets = None if args.busy_sets is None else _list(args.busy_sets, SETS, "set")
+    args.shared = None if args.shared is None else _list(args.shared, METHODS, "method")
     args.batch = [int(b) for b in args.batch.split(",")]
     if "adaptive_rules" not in {o.name for o in registry.LOOP_OPTIONS}:
         raise SystemExit("This checkout has no loop option adaptive_rules (hf_specdec.registry.LOOP_OPTIONS).")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.summarize:  # the table of calls already made
+        runs = [json.loads(line) for line in Path(args.summarize).read_text().splitlines() if line]
+        summary = summarize(runs)
+        print(markdown(summary) + "\n\n" + by_rule(summary))
+        return
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "runs.jsonl").write_text("")
     bench = Ablation(args)
     bench.run()
     summary = summarize(bench.runs)
-    table = markdown(summary)
+    table = markdown(summary) + "\n\n" + by_rule(summary)
     print(f"\n{table}")
     if args.out:
         out = Path(args.out)
