@@ -205,7 +205,6 @@ class CallCosts:
     """
 
     EXPLORE_EVERY = ForwardCostModel.EXPLORE_EVERY
-    CALIBRATION_STOP = ForwardCostModel.CALIBRATION_STOP
 
     def __init__(self, model: ForwardCostModel, rules: Rules = ALL_ON):
         self.model, self.rules = model, rules

@@ -1,12 +1,14 @@
 """The draft-length and back-off rules under noisy timings (a busy machine), with synthetic times: nothing is timed."""
 
+import gc
 import random
 
 import torch
 
 import pytest
 
-from hf_specdec.costs import ForwardCostModel, RecentMinimum, batch_cap, best_draft_length
+from hf_specdec.adaptive import Rules
+from hf_specdec.costs import CallCosts, ForwardCostModel, RecentMinimum, batch_cap, best_draft_length
 from hf_specdec.proposers.base import BackOff
 
 TRUE = {1: 0.070, 2: 0.074, 4: 0.080, 8: 0.11}  # seconds of a q-token forward on a quiet machine
@@ -214,3 +216,30 @@ def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch, st
     gate = runner_for(m).cost_model(3).gate_for("assisted")
     assert gate.pause >= gate.FIRST_PAUSE  # closed at least once
     assert again.speculative_stats["proposed_drafts"] < out.speculative_stats["proposed_drafts"]
+
+
+def test_calibration_stop_is_the_kept_models_own_whatever_the_calls_rules():
+    """The calibration stop is kept across calls, so it is decided from what was measured even in a call whose rules
+    answer costs from the prior (measured_costs off): a size measured at 5 steps stops it, one measured cheap does
+    not, whatever the prior says."""
+    kept = ForwardCostModel("cpu", prior={1: 1.0, 2: 1.0, 4: 1.0, 8: 100.0})
+    call = CallCosts(kept, Rules().without("measured_costs"))
+    call.record(1, 1.0)
+    assert call.calibrated(2, 5.0) and kept.too_costly == 3
+    kept = ForwardCostModel("cpu", prior={1: 1.0, 2: 1.0, 4: 1.0, 8: 100.0})
+    call = CallCosts(kept, Rules().without("measured_costs"))
+    call.record(1, 1.0)
+    assert not call.calibrated(8, 1.5) and kept.too_costly is None
+    assert call.relative(8) > 50  # the call itself still reads the prior
+
+
+def test_a_drafters_measured_cost_is_kept_by_the_target_runners_cost_model():
+    """Universal drafting's measured drafter cost lives on the kept cost model (per target and batch size), read
+    through a call's view, and goes with the drafter."""
+    kept = ForwardCostModel("cpu")
+    drafter = torch.nn.Linear(1, 1)
+    CallCosts(kept).drafter_steps[drafter] = 0.8
+    assert CallCosts(kept, Rules().without("exploration")).drafter_steps.get(drafter) == 0.8
+    del drafter
+    gc.collect()
+    assert len(kept.drafter_steps) == 0
