@@ -11,12 +11,13 @@ cost-sized draft counts at all, the rules that act on a method's own drafts with
 them, ``generate(..., adaptive_rules=Rules().without(rule))``.
 
 Same prompts for every row: per set (chat = MT-bench first turns, math = GSM8K, copy = the copy-heavy rewrites of
-hf_specdec.bench.data), batch size, prompt batch and repeat, one round runs every row once, in an order rotated from
-round to round, so that drift of a shared machine falls on all rows alike; a warm-up runs every row once per batch
+hf_specdec.bench.data), batch size, prompt batch and repeat, one round runs every row once, in an order shuffled
+anew each round (seeded by the round), so that drift of a shared machine and the cost of following another method's
+calls fall on all rows alike (a rotation left each method's first row always after another method); a warm-up runs every row once per batch
 size first. With ``--busy`` one separate process keeps a CPU core busy (hf_specdec.bench.load) while the rows run;
 ``--busy both`` runs each round quiet and busy, alternating which comes first. The runner's measured costs are kept
 per model and batch size across calls, as in any use of the library: a row starts from what the rows before it
-measured (the rotation spreads that too); with ``--fresh`` every call starts from nothing measured, as the first
+measured (the shuffle spreads that too); with ``--fresh`` every call starts from nothing measured, as the first
 call of a process (the rules that act on first use: ``calibration``, ``device_priors``). Every output is compared
 with ``generate()``'s, token for token.
 
@@ -41,6 +42,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -195,9 +197,9 @@ class Ablation:
                     for repeat in range(args.repeats):
                         order = loads if round_no % 2 == 0 else loads[::-1]
                         for busy in order:
-                            start = round_no % len(rows)
+                            shuffled = random.Random(round_no).sample(rows, len(rows))
                             with background_load() if busy else contextlib.nullcontext():
-                                for label, row, extra in rows[start:] + rows[:start]:
+                                for label, row, extra in shuffled:
                                     seconds, out, stats = self.call(label, row, extra, enc)
                                     self.record(busy, set_name, batch, chunk, repeat, label, row, seconds, tokens,
                                                 torch.equal(out, ref), stats)
@@ -305,7 +307,7 @@ def main(argv=None) -> None:
                         "method); the others switch off only their own rules")
     p.add_argument("--prompts", type=int, default=4, help="prompts per set and batch size")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="rounds per prompt batch (the row order rotates)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per prompt batch (the row order is shuffled per round)")
     p.add_argument("--busy", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                    help="one CPU core kept busy by another process: 'on' (the flag alone), or 'both' (quiet too)")
     p.add_argument("--busy-sets", default=None, help="the sets that run the busy rounds too (default: every set)")
