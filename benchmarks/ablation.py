@@ -13,8 +13,9 @@ them, ``generate(..., adaptive_rules=Rules().without(rule))``.
 Same prompts for every row: per set (chat = MT-bench first turns, math = GSM8K, copy = the copy-heavy rewrites of
 hf_specdec.bench.data), batch size, prompt batch and repeat, one round runs every row once, in an order shuffled
 anew each round (seeded by the round), so that drift of a shared machine and the cost of following another method's
-calls fall on all rows alike (a rotation left each method's first row always after another method); a warm-up runs every row once per batch
-size first. With ``--busy`` one separate process keeps a CPU core busy (hf_specdec.bench.load) while the rows run;
+calls fall on all rows alike (a rotation left each method's first row always after another method); a warm-up runs
+every row once per batch size first. With ``--busy`` one separate process keeps a CPU core busy
+(hf_specdec.bench.load) while the rows run;
 ``--busy both`` runs each round quiet and busy, alternating which comes first. The runner's measured costs are kept
 per model and batch size across calls, as in any use of the library: a row starts from what the rows before it
 measured (the shuffle spreads that too); with ``--fresh`` every call starts from nothing measured, as the first
@@ -96,17 +97,17 @@ APPLIES = {
     "universal": COSTS + GATE + BACKOFF + ("batch_cap", "universal_hopeless"),
 }
 BATCH_ONLY = set(GATE) | {"batch_cap"}
-SHARED = FEATURES  # the rules that act in several methods; --shared names the methods that switch them off
 ALL, CONSTANT, CONTROL = "all rules", "constant schedule", "all rules again"
 
 
 def rows_of(label: str, batch: int, rules: list[str], shared: list[str] | None = None) -> list[tuple[str, dict]]:
     """``(row name, generate keywords)`` of a method at a batch size: every rule on, each of ``rules`` that acts in
-    it off alone (the rules shared by several methods only where ``label`` is in ``shared``; None: everywhere), with
+    it off alone (those of :data:`FEATURES`, shared by several methods, only where ``label`` is in ``shared``; None:
+    everywhere), with
     every rule on once more halfway through (the control: its speed against the first is the noise of a pairing),
     the constant schedule."""
     off = [r for r in APPLIES[label] if r in rules and (batch > 1 or r not in BATCH_ONLY)
-           and (shared is None or label in shared or r not in SHARED)]
+           and (shared is None or label in shared or r not in FEATURES)]
     rows = [(f"- {r}", {"adaptive_rules": Rules().without(r)}) for r in off]
     half = len(rows) // 2  # the control: every rule on again, halfway through the method's rows
     return ([(ALL, {"adaptive_rules": Rules()})] + rows[:half] + [(CONTROL, {"adaptive_rules": Rules()})] + rows[half:]
@@ -266,7 +267,7 @@ def markdown(summary: list[dict]) -> str:
 def by_rule(summary: list[dict]) -> str:
     """One line per rule across every condition where it was switched off (load, set, batch, method): the median of
     its speed against ``all rules`` (above 1: faster without it), the lowest and highest, in how many conditions the
-    loop was at least 3 % slower or faster without it, and τ with and without it (summed over the conditions)."""
+    loop was at least 3 % slower or faster without it, and τ with and without it (averaged over the conditions)."""
     full = {(s["busy"], s["set"], s["batch"], s["method"]): s for s in summary if s["row"] == ALL}
     rules: dict[str, list[tuple[dict, dict]]] = {}
     for s in summary:
@@ -307,7 +308,8 @@ def main(argv=None) -> None:
                         "method); the others switch off only their own rules")
     p.add_argument("--prompts", type=int, default=4, help="prompts per set and batch size")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="rounds per prompt batch (the row order is shuffled per round)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds per prompt batch (the row order is shuffled per round)")
     p.add_argument("--busy", nargs="?", const="on", default="off", choices=("off", "on", "both"),
                    help="one CPU core kept busy by another process: 'on' (the flag alone), or 'both' (quiet too)")
     p.add_argument("--busy-sets", default=None, help="the sets that run the busy rounds too (default: every set)")
