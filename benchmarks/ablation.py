@@ -16,11 +16,13 @@ anew each round (seeded by the round), so that drift of a shared machine and the
 calls fall on all rows alike (a rotation left each method's first row always after another method); a warm-up runs
 every row once per batch size first. With ``--busy`` one separate process keeps a CPU core busy
 (hf_specdec.bench.load) while the rows run;
-``--busy both`` runs each round quiet and busy, alternating which comes first. The runner's measured costs are kept
-per model and batch size across calls, as in any use of the library: a row starts from what the rows before it
-measured (the shuffle spreads that too); with ``--fresh`` every call starts from nothing measured, as the first
-call of a process (the rules that act on first use: ``calibration``, ``device_priors``). Every output is compared
-with ``generate()``'s, token for token.
+``--busy both`` runs each round quiet and busy, alternating which comes first; ``--busy switching`` keeps the core
+busy and quiet by turns (``--switch-seconds`` each, the busy process stopped and continued), so that a load starts
+and ends while calls run: the case of the rules that measure again (``exploration``; ``unit_probe`` before issue 38
+removed it). The runner's measured costs are kept per model and batch size across calls, as in any use of the
+library: a row starts from what the rows before it measured (the shuffle spreads that too); with ``--fresh`` every
+call starts from nothing measured, as the first call of a process (the rule that acts on first use:
+``device_priors``). Every output is compared with ``generate()``'s, token for token.
 
 Reported per load condition, set, batch size, method and row: tokens/s (new tokens up to each row's end over the
 calls' wall time), the speed against the method's ``all rules`` row (median over the paired calls: same prompts,
@@ -29,7 +31,7 @@ against ``plain_kernels`` (median over paired calls) and how many outputs equal 
 
     python benchmarks/ablation.py [--methods prompt_lookup,suffix,eagle3,dflash,hybrid] [--sets chat,math,copy]
         [--batch 1,4] [--rules all] [--shared prompt_lookup,eagle3] [--prompts 4] [--max-new-tokens 64] [--repeats 3]
-        [--busy [on|both]] [--busy-sets math] [--fresh] [--dtype float32] [--threads N] [--out runs/ablation]
+        [--busy [on|both|switching]] [--busy-sets math] [--fresh] [--dtype float32] [--threads N] [--out runs/ablation]
 
 ``--out`` writes ``ablation.json`` (configuration, machine, every call, the summary) and ``ablation.md`` (the table),
 and ``runs.jsonl`` call by call while it runs (``--summarize runs.jsonl`` prints the table of a run cut short).
@@ -44,7 +46,9 @@ import json
 import os
 import platform
 import random
+import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -79,24 +83,24 @@ METHODS = {
 DEFAULT_METHODS = ("prompt_lookup", "suffix", "eagle3", "dflash", "hybrid")
 
 # the rules that act in each method (hf_specdec.adaptive.Rules); BATCH_ONLY ones only at batch > 1
-COSTS = ("measured_costs", "device_priors", "recent_minimum", "calibration", "unit_probe", "exploration")
+COSTS = ("measured_costs", "device_priors", "recent_minimum", "exploration")
 GATE = ("gate", "gate_loss_pause", "gate_quick_retry")
-BACKOFF = ("backoff", "backoff_hysteresis", "backoff_realized")
-FEATURES = COSTS + GATE + BACKOFF + ("drafter_calibration", "batch_cap")
+BACKOFF = ("backoff",)
+FEATURES = COSTS + GATE + BACKOFF
 APPLIES = {
-    "prompt_lookup": COSTS + GATE + ("batch_cap", "lookup_keys"),
-    "suffix": COSTS + GATE + ("batch_cap", "suffix_calibration"),
+    "prompt_lookup": COSTS + GATE + ("lookup_keys",),
+    "suffix": COSTS + GATE + ("suffix_calibration",),
     "lookahead": COSTS + GATE + ("lookahead_window_pause",),
     "assisted": COSTS + GATE,
     "eagle3": FEATURES + ("eagle3_depth_limit",),
     "dflash": FEATURES + ("dflash_head_first",),
     "medusa": FEATURES,
     "mtp": FEATURES + ("eagle3_depth_limit",),
-    "layerskip": COSTS + GATE + ("drafter_calibration",),
+    "layerskip": COSTS + GATE,
     "hybrid": FEATURES + ("eagle3_depth_limit", "hybrid_choice", "suffix_calibration"),
-    "universal": COSTS + GATE + BACKOFF + ("batch_cap", "universal_hopeless"),
+    "universal": COSTS + GATE + BACKOFF + ("universal_hopeless",),
 }
-BATCH_ONLY = set(GATE) | {"batch_cap"}
+BATCH_ONLY = set(GATE)
 ALL, CONSTANT, CONTROL = "all rules", "constant schedule", "all rules again"
 
 
@@ -163,7 +167,7 @@ class Ablation:
             return time.perf_counter() - t0, out, None
         method, opts = METHODS[label]
         if self.args.fresh:  # no kept runner: the call measures its costs from nothing, as a process's first call
-            runners.PER_MODEL.runners.pop(self.model, None)
+            runners.PER_MODEL.forget(self.model)
         out = self.model.generate(**kw, return_dict_in_generate=True,
                                   custom_generate=hf_specdec.decoding_method(method, **self.options[method], **opts),
                                   **extra)
@@ -178,7 +182,7 @@ class Ablation:
     # ---- the run
     def run(self) -> None:
         args = self.args
-        conditions = {"off": [False], "on": [True], "both": [False, True]}[args.busy]
+        conditions = {"off": [False], "on": [True], "both": [False, True], "switching": [SWITCHING]}[args.busy]
         for batch in args.batch:
             rows = self.round_rows(batch)
             warm = encode(self.tok, [p.text for p in load(SETS[args.sets[0]], batch)], self.device)
@@ -199,7 +203,7 @@ class Ablation:
                         order = loads if round_no % 2 == 0 else loads[::-1]
                         for busy in order:
                             shuffled = random.Random(round_no).sample(rows, len(rows))
-                            with background_load() if busy else contextlib.nullcontext():
+                            with _load(busy, args.switch_seconds):
                                 for label, row, extra in shuffled:
                                     seconds, out, stats = self.call(label, row, extra, enc)
                                     self.record(busy, set_name, batch, chunk, repeat, label, row, seconds, tokens,
@@ -217,9 +221,47 @@ class Ablation:
             with open(Path(self.args.out) / "runs.jsonl", "a") as f:
                 f.write(json.dumps(run) + "\n")
         tau = f" τ {stats['acceptance_length']:.2f}" if stats else ""
-        print(f"{'busy ' if busy else 'quiet'} {set_name:5s} b{batch} {run['prompts']:>14s} r{repeat} "
+        print(f"{load_name(busy):9s} {set_name:5s} b{batch} {run['prompts']:>14s} r{repeat} "
               f"{run['method']:14s} {row:28s} {tokens / seconds:7.1f} tok/s{tau}{'' if identical else '  DIFFERS'}",
               flush=True)
+
+
+SWITCHING = "switching"  # a load condition: one core busy and quiet by turns
+
+
+def load_name(busy) -> str:
+    """A run's load condition in words (``busy``: False, True or :data:`SWITCHING`)."""
+    return SWITCHING if busy == SWITCHING else "busy" if busy else "quiet"
+
+
+@contextlib.contextmanager
+def _load(busy, period: float):
+    """The load of a round: none, one core busy, or one core busy and quiet by turns of ``period`` seconds."""
+    if not busy:
+        yield
+        return
+    with background_load() as procs:
+        if busy != SWITCHING:
+            yield
+            return
+        stop = threading.Event()
+
+        def toggle():
+            on = True
+            while not stop.wait(period):
+                on = not on
+                for proc in procs:
+                    os.kill(proc.pid, signal.SIGCONT if on else signal.SIGSTOP)
+
+        thread = threading.Thread(target=toggle, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            for proc in procs:  # continued, so that it can be stopped
+                os.kill(proc.pid, signal.SIGCONT)
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -257,7 +299,7 @@ def markdown(summary: list[dict]) -> str:
              "|---" * 10 + "|"]
     for s in summary:
         lines.append("| " + " | ".join([
-            "busy" if s["busy"] else "quiet", s["set"], str(s["batch"]), s["method"], s["row"],
+            load_name(s["busy"]), s["set"], str(s["batch"]), s["method"], s["row"],
             num(s["tokens_per_s"], ".1f"), num(s["vs_all_rules"], ".3f") + ("x" if s["vs_all_rules"] else ""),
             num(s["tau"], ".2f"), num(s["vs_plain_kernels"], ".2f") + ("x" if s["vs_plain_kernels"] else ""),
             f"{s['identical']}/{s['calls']}"]) + " |")
@@ -310,12 +352,14 @@ def main(argv=None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds per prompt batch (the row order is shuffled per round)")
-    p.add_argument("--busy", nargs="?", const="on", default="off", choices=("off", "on", "both"),
-                   help="one CPU core kept busy by another process: 'on' (the flag alone), or 'both' (quiet too)")
+    p.add_argument("--busy", nargs="?", const="on", default="off", choices=("off", "on", "both", "switching"),
+                   help="one CPU core kept busy by another process: 'on' (the flag alone), 'both' (quiet too), or "
+                        "'switching' (busy and quiet by turns)")
+    p.add_argument("--switch-seconds", type=float, default=2.0, help="--busy switching: seconds busy, then quiet")
     p.add_argument("--busy-sets", default=None, help="the sets that run the busy rounds too (default: every set)")
     p.add_argument("--fresh", action="store_true",
                    help="every call starts with no measured costs (its target's kept runner dropped before it), as "
-                        "the first call of a process: what calibration and device_priors act on")
+                        "the first call of a process: what device_priors acts on")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None, help="a folder for ablation.json, ablation.md and runs.jsonl (each call)")

@@ -3,18 +3,23 @@
 Every method drafts, verifies and accepts by exact rules; *how much* it drafts, and whether it drafts at all, is
 decided while it runs, from measurements, by the rules that :class:`Rules` names field by field (each field's line
 says what the rule does and what takes its place when it is off). None of them changes what is committed: greedy
-output is the target's own ``generate(do_sample=False)`` with any of them off; each changes only the speed. They act
-in five places:
+output is the target's own ``generate(do_sample=False)`` with any of them off; each changes only the speed.
+
+Each rule here earned its place in a same-run ablation (``benchmarks/ablation.py``: every rule switched off in turn
+against the full set and a control, chat / math / copy, batch 1 and 4, quiet, one core busy, busy by turns, first
+calls; benchmarks/RESULTS.md, "the adaptive rules switched off one at a time"). Rules that did not measurably pay
+were removed (issue 38): timing the tree sizes before decoding, forced plain steps to re-measure the one-token unit,
+drafters' confidence calibration, the batch's common draft cap, and the back-off's hysteresis and realized-token
+credit. The kept rules act in five places:
 
 * the target's forward costs (:class:`~hf_specdec.costs.ForwardCostModel`, kept per runner and batch size across
-  calls): sizes measured while decoding and timed before it, robust minima, a prior table per runner, device and
-  dtype for sizes not measured yet, a plain step now and then to re-measure the unit, an exploratory draft now and
-  then where drafting looks unprofitable;
-* the speculation gate of a batch (:class:`~hf_specdec.costs.SpeculationGate`): pauses with loss-sized lengths and
-  quick retries;
-* a drafter's back-off (:class:`~hf_specdec.proposers.base.BackOff`): skipped proposals, with hysteresis and realized
-  tokens;
-* drafters' shapes: calibrated confidences, the batch's common cap, EAGLE-3's depth limit, DFlash's head-first LM head;
+  calls): sizes measured while decoding, each the minimum of its recent samples, a prior table per runner, device
+  and dtype for sizes not measured yet, an exploratory draft now and then where drafting looks unprofitable;
+* the speculation gate of a batch (:class:`~hf_specdec.costs.SpeculationGate`): plain pauses sized by the loss,
+  judged again quickly after a pause;
+* a drafter's back-off (:class:`~hf_specdec.proposers.base.BackOff`): proposals that do not pay, drafting time
+  included, are skipped for growing stretches;
+* drafters' shapes: EAGLE-3's (and MTP's) depth limit, DFlash's head-first LM head;
 * the drafter-free sources: hybrid's per-row choice, suffix decoding's per-bucket calibration, prompt lookup's
   per-key acceptance, lookahead's window pause, universal drafting's rare retries of a hopeless drafter.
 
@@ -26,7 +31,7 @@ A call's rules are the loop option ``adaptive_rules`` (default: every rule on) a
 :func:`~hf_specdec.engine.speculative_decode` puts them on the call's :class:`~hf_specdec.state.DecodingState`
 (``state.rules``), whose ``cost_model`` is the call's view of the runner's kept costs under them
 (:class:`~hf_specdec.costs.CallCosts`: the kept model never holds a call's rules); proposers take ``state.rules`` in
-``begin``. ``benchmarks/ablation.py`` switches each rule off in turn on the same prompts.
+``begin``.
 
 Example::
 
@@ -54,10 +59,6 @@ class Rules:
     device_priors: bool = True
     # a time is the minimum of its recent samples (other work only slows a forward); off: its latest sample
     recent_minimum: bool = True
-    # the tree sizes a call may use are timed twice before decoding (engine); off: timed when first used
-    calibration: bool = True
-    # a plain step re-measures the one-token unit after 48 forwards of other sizes; off: never forced
-    unit_probe: bool = True
     # where drafting looks unprofitable, one draft anyway at most every 16 forwards; off: no exploration
     exploration: bool = True
 
@@ -72,16 +73,8 @@ class Rules:
     # ---- a drafter's back-off (hf_specdec.proposers.base.BackOff: EAGLE-3, DFlash, Medusa, MTP, universal)
     # proposals that do not pay for themselves are skipped for 1, 2, 4 .. 16 steps; off: a proposal every step
     backoff: bool = True
-    # skipping starts after two proposals in a row did not pay; off: after one
-    backoff_hysteresis: bool = True
-    # a proposal pays when its expected or its recently committed tokens cover its cost; off: its expected tokens only
-    backoff_realized: bool = True
 
     # ---- drafters' shapes
-    # a drafter's confidences scaled by its running ratio of accepted to predicted drafts; off: taken as they are
-    drafter_calibration: bool = True
-    # a batch's rows cut to the common draft count that pays for their shared forward; off: each row what pays alone
-    batch_cap: bool = True
     # EAGLE-3 / MTP draft one depth past where the last proposal could still gain 2 %; off: always the full depth
     eagle3_depth_limit: bool = True
     # DFlash scores 4 block positions first and the rest only while a row's drafts are likely; off: every position
@@ -108,8 +101,8 @@ class Rules:
         """A copy with the rules ``names`` off (an unknown name raises ``ValueError`` listing the rules).
 
         Example:
-            >>> Rules().without("backoff", "exploration").off()
-            ('exploration', 'backoff')
+            >>> Rules().without("backoff", "recent_minimum").off()
+            ('recent_minimum', 'backoff')
         """
         unknown = [n for n in names if n not in self.names()]
         if unknown:

@@ -7,7 +7,7 @@ change size every step and a dynamic cache grows by a column per token. So, with
 * the target's cache is a static one (``cache_implementation="static"`` semantics: the entry point makes it so,
   :meth:`CompiledRunner.cache_for_call`), whose length is kept across calls (the longest so far, at least
   :attr:`CompiledRunner.MIN_CACHE`) so that a new prompt length is not a new shape;
-* every verification (and calibration) forward of ``q`` tree nodes runs at ``bucket_size(q)`` nodes: 1, 2, 4, 8, 16,
+* every verification forward of ``q`` tree nodes runs at ``bucket_size(q)`` nodes: 1, 2, 4, 8, 16,
   32, 64, then multiples of 64. The padding nodes repeat the root (its token, position and mask row): no tree node
   sees them (their cache columns lie after the tree's, masked in every real row, and the loop's crop / keep of the
   accepted path drops them); the logits and hidden states are sliced back to the ``q`` nodes;
@@ -59,20 +59,16 @@ class CompiledSession(TargetSession):
                 "cache_implementation='static'.")
         self.runner.note_cache_length(self.kv_width)
         self.cuda = device_type_of(self.model) == "cuda"
-        self._past: int | None = None  # cached columns before the next forward's (set by verify and calibrate)
+        self._past: int | None = None  # cached columns before the next forward's (set by verify)
 
     def verify(self, state, tree):
         self._past = state.layout.length
         return super().verify(state, tree)
 
-    def calibrate(self, state, max_nodes: int) -> None:
-        self._past = state.layout.length
-        super().calibrate(state, max_nodes)
-
     def forward(self, input_ids, attention_mask, position_ids, with_hidden: bool = True):
         """The compiled forward over ``input_ids [B, q]`` padded to ``bucket_size(q)`` nodes (fewer where the static
         cache has no room for them); the output holds the ``q`` nodes' logits and hidden states. Always with the
-        proposer's hidden states (a calibration forward too: one graph per size, not two)."""
+        proposer's hidden states (one graph per size, not two)."""
         q = input_ids.shape[1]
         width = bucket_size(q)
         if self._past is not None:
@@ -86,7 +82,7 @@ class CompiledSession(TargetSession):
             position_ids = torch.cat([position_ids, position_ids[:, :1].expand(-1, pad)], dim=1)
             attention_mask = _map_masks(attention_mask, lambda m: torch.cat([m, m[:, :, :1].expand(-1, -1, pad, -1)],
                                                                               dim=2))
-        # dense inputs: a graph is specialised to strides too (a calibration's expanded tokens would be another one)
+        # dense inputs: a graph is specialised to strides too (expanded tokens would be another one)
         inputs = dict(input_ids=input_ids.contiguous(), position_ids=position_ids.contiguous(),
                       attention_mask=_map_masks(attention_mask, lambda m: m.contiguous() if isinstance(m, torch.Tensor)
                                                 else m))

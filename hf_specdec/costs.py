@@ -103,15 +103,14 @@ class ForwardCostModel:
 
     Each size keeps the minimum of its samples of the last :attr:`HORIZON` forwards (:class:`RecentMinimum`), so a
     relative cost is a ratio of undisturbed times measured under the same conditions, not of whatever else the
-    machine was doing at the time. The one-token cost is the unit of every ratio; a loop that speculates rarely runs
-    one-token forwards, so when none ran for :attr:`PROBE_EVERY` forwards, :meth:`probe_due` asks it for one plain
-    step. Sizes not measured yet are interpolated (in log q) between the nearest measured ones, or follow the shape of
-    the ``prior`` curve (relative costs by ``q``; default by ``device_type``) from the nearest measured size. The target
-    runner (:class:`~hf_specdec.runners.TargetRunner`) keeps one per batch size across ``generate`` calls.
+    machine was doing at the time. The one-token cost is the unit of every ratio (measured by the plain steps the loop
+    takes anyway: steps without drafts, the gate's and the back-off's pauses). Sizes not measured yet are interpolated
+    (in log q) between the nearest measured ones, or follow the shape of the ``prior`` curve (relative costs by ``q``;
+    default by ``device_type``) from the nearest measured size. The target runner
+    (:class:`~hf_specdec.runners.TargetRunner`) keeps one per batch size across ``generate`` calls.
     """
 
     HORIZON = 96  # forwards (of any size) a sample counts for
-    PROBE_EVERY = 48  # forwards of other sizes after which the one-token cost is measured again
     EXPLORE_EVERY = 16  # forwards between exploratory one-draft proposals while drafting looks unprofitable
 
     def __init__(self, device_type: str = "cpu", window: int = 12, prior: dict[int, float] | None = None):
@@ -121,7 +120,6 @@ class ForwardCostModel:
         self.clock = 0  # forwards recorded
         self._estimates: tuple[int, dict[int, float]] = (-1, {})  # (clock, seconds): read many times per step
         self._explored = 0  # clock of the last exploratory proposal
-        self.too_costly: int | None = None  # calibration stopped before this size (see calibration_sizes)
         self.gates: dict[str, SpeculationGate] = {}  # per method: whether speculating pays at this batch size
         # a drafter (module) -> one drafter token's measured cost in this target's one-token steps at this batch size
         # (universal drafting: a call starts from what the calls before it measured)
@@ -157,11 +155,6 @@ class ForwardCostModel:
     def step_seconds(self) -> float | None:
         return self.seconds.get(1)
 
-    def probe_due(self) -> bool:
-        """Whether the next step should be a plain one, to measure the one-token cost again (see the class doc)."""
-        step = self.times.get(1)
-        return step is not None and self.clock - step.last_tick >= self.PROBE_EVERY
-
     def explore_due(self) -> bool:
         """Whether a proposer that found drafting unprofitable should draft one token anyway (and the clock of that
         decision is taken): at most once per :attr:`EXPLORE_EVERY` forwards. A cost measured while the machine was
@@ -172,24 +165,6 @@ class ForwardCostModel:
             return False
         self._explored = self.clock
         return True
-
-    CALIBRATION_STOP = 3.0  # relative cost past which larger sizes are not timed (a large batch's steep curve)
-
-    def calibrated(self, q: int, seconds: float) -> bool:
-        """Record a calibration forward of ``q`` tokens; True when larger sizes are not worth timing: this one cost
-        more than :attr:`CALIBRATION_STOP` measured steps (the stop is kept for later calls, lowered, never raised).
-        Decided from the measurements, whatever rules a call runs under."""
-        self.record(q, seconds)
-        if q > 1 and self.relative(q) > self.CALIBRATION_STOP:
-            self.too_costly = min(q + 1, self.too_costly or q + 1)
-            return True
-        return False
-
-    def calibration_sizes(self, max_nodes: int) -> list[int]:
-        """Sizes worth timing once before decoding: those up to ``max_nodes`` not measured yet, none past a size that
-        cost :attr:`CALIBRATION_STOP` steps (a larger one never pays)."""
-        wanted = sorted({q for q in (1, 2, 4, 8, 16, 32) if q <= max_nodes} | {max_nodes})
-        return [q for q in wanted if q not in self.times and (self.too_costly is None or q < self.too_costly)]
 
 
 class CallCosts:
@@ -229,9 +204,6 @@ class CallCosts:
         """The one-token forward's seconds: the unit of drafting times, measured also with measured_costs off."""
         return self.model.step_seconds() if self.rules.recent_minimum else self.model.latest_seconds.get(1)
 
-    def probe_due(self) -> bool:
-        return self.rules.unit_probe and self.model.probe_due()
-
     def explore_due(self) -> bool:
         return self.rules.exploration and self.model.explore_due()  # off: the model's clock is not taken
 
@@ -241,12 +213,6 @@ class CallCosts:
     # ---- what the loop and the runner record, as they are
     def record(self, q: int, seconds: float) -> None:
         self.model.record(q, seconds)
-
-    def calibration_sizes(self, max_nodes: int) -> list[int]:
-        return self.model.calibration_sizes(max_nodes)
-
-    def calibrated(self, q: int, seconds: float) -> bool:
-        return self.model.calibrated(q, seconds)
 
     @property
     def drafter_steps(self) -> "weakref.WeakKeyDictionary":
@@ -307,27 +273,6 @@ def best_draft_length(alpha: float, max_len: int, cost: ForwardCostModel, draft_
         total += term
         expected.append(total)
     return best_count(expected, cost, draft_cost, min_gain)
-
-
-def batch_cap(reaches, cost: ForwardCostModel, active=None, draft_cost: float = 0.0) -> int:
-    """The most drafts any row of a batch keeps: the rows share one verification forward, as wide as the widest
-    row, and its cost ``c_B(n + 1)`` (measured for this batch size) buys every row's accepted drafts together.
-
-    ``reaches[b]``: row ``b``'s drafts (already cut to what pays for the row alone), best first, as estimated
-    probabilities that each is accepted (a row's first ``n`` drafts expect ``1 + sum(reach[:n])`` tokens);
-    ``active``: the rows still decoding (default: all). Returns the ``n`` maximising the batch's expected tokens
-    per unit of time (:func:`best_count` over the mean of the active rows' expected tokens at the cap ``n``): 0
-    when no cap beats a plain step. With one active row it is that row's own length: the row's rule already
-    decided. A row that would gain little makes a wide tree too costly for the whole batch, which is what keeps
-    speculation from slowing a large batch down, where a forward's cost grows with its width.
-    """
-    rows = [list(map(float, r)) for r, a in zip(reaches, active if active is not None else [True] * len(reaches))
-            if a]
-    width = max((len(r) for r in rows), default=0)
-    if width == 0 or len(rows) == 1:
-        return width
-    expected = [1.0 + sum(sum(r[:n]) for r in rows) / len(rows) for n in range(1, width + 1)]
-    return best_count(expected, cost, draft_cost)
 
 
 class SpeculationGate:

@@ -13,8 +13,8 @@ Invariants of the loop (per row ``b`` of the batch):
 * a step feeds the tree (root + drafts) at positions ``root_position + depth`` with a mask built from the layout;
   the accepted path's columns are kept, the row commits the accepted drafts and the target's own next token.
 
-The loop runs the target only through a :class:`~hf_specdec.runners.TargetSession` (prefill, verify a tree, cost
-calibration, a bracket around each proposal); backend tricks live in the runner the entry point chose. The state
+The loop runs the target only through a :class:`~hf_specdec.runners.TargetSession` (prefill, verify a tree, a
+bracket around each proposal); backend tricks live in the runner the entry point chose. The state
 proposers read is :class:`~hf_specdec.state.DecodingState`; the per-row bookkeeping of the output (stops, scores,
 streaming) is :class:`~hf_specdec.rows.RowBook`.
 """
@@ -330,12 +330,6 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     # coupled sampling with warpers only: verified on the device, the warpers applied to a depth's nodes at once
     coupled_warp = functools.partial(apply_warpers, state.processors) if state.warpers_only else None
     timer = StepTimer(state.device)
-    # time the tree sizes before decoding (the rule calibration; off: each is timed when first used), only those this
-    # call can use: a larger calibration forward would run past max_length, past the position table of a model with
-    # absolute positions (GPT-2) when the prompt is close to its context window
-    usable_nodes = min(proposer.max_nodes, max(rows.budgets()) + 1)
-    if state.rules.calibration and usable_nodes > 1 and any(state.active):
-        target.calibrate(state, usable_nodes)
 
     while any(state.active):
         _make_room(state, target, proposer, stats)
@@ -347,8 +341,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
         # schedule (the user's choice) and a single row (the proposers' own rules and back-off) are not gated
         gated = state.batch_size > 1 and getattr(proposer, "adaptive", True) and state.rules.gate
         gate = state.cost_model.gate_for(proposer.name) if gated else None
-        with target.drafting():  # now and then a plain step re-measures the unit of the forward costs (costs.py)
-            drafting = any(state.max_drafts) and not state.cost_model.probe_due() and (gate is None or gate.open())
+        with target.drafting():
+            drafting = any(state.max_drafts) and (gate is None or gate.open())
             tree = proposer.propose(state) if drafting else None
         if tree is None:
             tree = DraftTree.chain(state.roots())

@@ -1,8 +1,8 @@
 """How the loop runs the target: the one seam between the decoding loop and the model.
 
 The loop never calls the target itself. Per ``generate`` call it opens a :class:`TargetSession` from a
-:class:`TargetRunner` and goes through it for the prefill, every verification of a draft tree and the cost
-calibration; the session also brackets every proposal (:meth:`TargetSession.drafting`). A runner lives across calls
+:class:`TargetRunner` and goes through it for the prefill and every verification of a draft tree; the
+session also brackets every proposal (:meth:`TargetSession.drafting`). A runner lives across calls
 (one per model and kind, :func:`kept_runner`): it keeps the measured forward costs per batch size, and a backend may
 keep its own state there (the CPU kernel runner's timing cache).
 
@@ -35,7 +35,6 @@ from .attention import mask_rows, verifiable_attention
 from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
 from .dtypes import HALF
 from .placement import drafter_device
-from .timing import StepTimer
 from .tree import build_attention_mask
 
 logger = logging.getLogger("hf_specdec")
@@ -171,45 +170,6 @@ class TargetSession:
             hidden_states = tuple(captured.get(i) if i in wanted else None for i in range(stack.num_layers + 1))
         return logits, hidden_states
 
-    def calibrate(self, state, max_nodes: int) -> None:
-        """Time two forwards per draft size the proposer may use, once per runner and batch size.
-
-        The draft-length rules pick lengths from these costs (:mod:`hf_specdec.costs`); measuring them up front
-        avoids never trying a size whose cost was guessed wrong. The forwards are undone by cropping the cache.
-        """
-        sizes = state.cost_model.calibration_sizes(max_nodes)
-        if not sizes:
-            return
-        past = state.layout.length
-        roots = state.roots()
-        timer = StepTimer(state.device)
-
-        def timed(q: int) -> float:
-            tokens = roots[:, None].expand(-1, q)
-            pos = state.root_positions[:, None] + torch.arange(q, device=state.device)
-            causal = torch.ones(q, q, dtype=torch.bool, device=state.device).tril().expand(state.batch_size, q, q)
-            mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, pos, causal,
-                                        self.dtype, kv_width=self.kv_width)
-            timer.start()
-            self.forward(tokens, mask, pos, with_hidden=False)
-            timer.stop(q)
-            (_, seconds), = timer.flush()  # outside the hot path: waits for the device (CUDA events: its own time)
-            cache_ops.crop(self.cache, past)
-            return seconds
-
-        # the first one-token forward only warms up; two rounds, so that a moment of other work on the machine does
-        # not decide a size's cost (the cost model keeps the minimum); no size past one that costs CALIBRATION_STOP
-        # steps is timed (a large batch: seconds each, and they never pay)
-        cost = state.cost_model
-        timed(1)
-        done = []
-        for q in sizes:
-            done.append(q)
-            if cost.calibrated(q, timed(q)):  # the kept model's stop, from what it measured
-                break
-        for q in done:
-            cost.record(q, timed(q))
-
     def _hidden(self, out):
         return getattr(out, "hidden_states", None) if self.wants_hidden else None
 
@@ -331,6 +291,15 @@ class PerModel:
             if cls.name not in per_model:
                 per_model[cls.name] = cls(model)
             return per_model[cls.name]
+
+    def forget(self, model) -> None:
+        """Drop ``model``'s kept runners and what they measured: its next call starts as a process's first (a
+        benchmark of first calls; a model whose hardware changed under it)."""
+        with self.lock:
+            try:
+                self.runners.pop(model, None)
+            except TypeError:  # not weak-referenceable: nothing was kept
+                pass
 
 
 PER_MODEL = PerModel()

@@ -91,7 +91,7 @@ class StepTimer:
 
     def flush(self) -> list[tuple[Any, float]]:
         """:meth:`ready` after waiting for the last region to finish (once: the regions before it finished first).
-        For the end of a call or a calibration, not for a step of the loop."""
+        For the end of a call, not for a step of the loop."""
         if self.pending:
             self.pending[-1][2].synchronize()
         out = self.ready()

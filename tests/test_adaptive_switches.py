@@ -140,17 +140,11 @@ CASES = {
     "measured_costs": [("assisted", 1), ("prompt_lookup", 3)],
     "device_priors": [("eagle3", 1)],
     "recent_minimum": [("dflash", 3), ("layerskip", 1)],
-    "calibration": [("ddtree", 3)],
-    "unit_probe": [("suffix", 1)],
     "exploration": [("dflash", 1), ("lookahead", 1)],
     "gate": [("assisted", 3)],
     "gate_loss_pause": [("eagle3", 3)],
     "gate_quick_retry": [("prompt_lookup", 3)],
     "backoff": [("eagle3_chain", 1), ("medusa", 1)],
-    "backoff_hysteresis": [("mtp", 1)],
-    "backoff_realized": [("dflash", 1)],
-    "drafter_calibration": [("ddtree", 1), ("layerskip", 1)],
-    "batch_cap": [("eagle3", 3), ("suffix", 3)],
     "eagle3_depth_limit": [("eagle3", 1), ("mtp", 3)],
     "dflash_head_first": [("dflash", 3)],
     "hybrid_choice": [("hybrid_suffix", 3), ("hybrid_lookup", 1)],
@@ -193,9 +187,8 @@ def steady_clock(monkeypatch):
 @pytest.mark.parametrize("name,bsz,elsewhere", [
     ("eagle3", 3, ("suffix_calibration", "lookup_keys", "hybrid_choice", "dflash_head_first",
                    "lookahead_window_pause", "universal_hopeless")),
-    ("suffix", 1, ("backoff", "backoff_hysteresis", "backoff_realized", "drafter_calibration", "eagle3_depth_limit",
-                   "dflash_head_first", "hybrid_choice", "lookup_keys", "lookahead_window_pause",
-                   "universal_hopeless")),
+    ("suffix", 1, ("backoff", "eagle3_depth_limit", "dflash_head_first", "hybrid_choice", "lookup_keys",
+                   "lookahead_window_pause", "universal_hopeless")),
 ])
 def test_every_rule_on_is_the_default(steady_clock, name, bsz, elsewhere):
     """``adaptive_rules=None``, ``Rules()`` and ``Rules()`` without rules of other methods propose the same drafts at
@@ -213,8 +206,6 @@ def test_every_rule_on_is_the_default(steady_clock, name, bsz, elsewhere):
 
 # ------------------------------------------------------------------------------------------------ the fallbacks
 @pytest.mark.parametrize("name,bsz,rule,learned", [
-    ("ddtree", 3, "drafter_calibration", lambda p: p.calibration != 1.0),
-    ("layerskip", 3, "drafter_calibration", lambda p: p.calibration != 1.0),
     ("suffix", 1, "suffix_calibration", lambda p: any(v != _PRIOR[k[1]] for k, v in p.calibration.items())),
     ("prompt_lookup", 1, "lookup_keys", lambda p: any(isinstance(k, tuple) for k in p.estimator.counts)),
 ])
@@ -258,10 +249,9 @@ def test_cost_rules_read_the_kept_model_without_changing_it():
     assert model.prior is not ONE_PRIOR and CallCosts(model).relative(4) == 2.0  # the kept model is as it was
 
 
-def test_probe_and_exploration_switches():
+def test_exploration_switch():
     model = _measured()
-    model.clock = 10 * ForwardCostModel.PROBE_EVERY
-    assert CallCosts(model).probe_due() and not CallCosts(model, Rules().without("unit_probe")).probe_due()
+    model.clock = 10 * ForwardCostModel.EXPLORE_EVERY
     quiet = CallCosts(model, Rules().without("exploration"))
     assert not quiet.explore_due() and model._explored == 0  # off: the model's clock is not taken
     assert CallCosts(model).explore_due() and model._explored == model.clock
@@ -293,20 +283,16 @@ def test_backoff_switches():
     class _State:
         cost_model = CallCosts(_measured())
 
-    def misses(rules, realized=None):
+    def misses(rules):
         backoff = BackOff(rules=rules)
-        backoff.realized = realized
         skipped = []
         for _ in range(3):
             backoff.judge(_State, 0.5, 1.1, 1.0)  # 1.1 tokens for 1.5 steps: does not pay
             skipped.append(backoff.skipping())
         return skipped
 
-    assert misses(ALL_ON) == [False, True, True]  # after two misses in a row
-    assert misses(Rules().without("backoff_hysteresis")) == [True, True, True]  # after each
+    assert misses(ALL_ON) == [True, True, True]  # after each miss
     assert misses(Rules().without("backoff")) == [False, False, False]
-    assert misses(ALL_ON, realized=2.0) == [False, False, False]  # what the drafts committed pays
-    assert misses(Rules().without("backoff_realized"), realized=2.0) == [False, True, True]
 
 
 # ------------------------------------------------------------------------------------------------ the option

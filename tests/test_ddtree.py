@@ -131,7 +131,6 @@ def test_adaptive_budget_follows_the_forward_costs(monkeypatch):
     target of its own: its runner's costs are measured by no earlier call."""
     target = tiny_model("llama", vocab=V, layers=3, hidden=H)
     monkeypatch.setattr(ForwardCostModel, "record", lambda self, q, s: None)
-    monkeypatch.setattr(ForwardCostModel, "calibration_sizes", lambda self, n: [])
     trees = _trees(monkeypatch)
     ids, mask = _prompts(1, seed=2)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None,

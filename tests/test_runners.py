@@ -74,6 +74,9 @@ def test_runner_choice_at_the_entry_point(monkeypatch):
     model = tiny_model("llama")
     assert isinstance(runner_for(model), kernels.CpuKernelRunner)
     assert runner_for(model) is runner_for(model)  # kept across calls: its timing cache and measured costs
+    kept = runner_for(model)
+    runners.PER_MODEL.forget(model)  # what was measured dropped: the next call starts from nothing
+    assert runner_for(model) is not kept and runner_for(model) is runner_for(model)
     assert type(runner_for(model, kernels=False)) is TargetRunner
     monkeypatch.setenv(runners.KERNELS_ENV, "0")
     assert type(runner_for(model)) is TargetRunner

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..adaptive import ALL_ON, Rules
-from ..costs import RecentMinimum, batch_cap
+from ..costs import RecentMinimum
 from ..tree import DraftTree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -26,24 +26,18 @@ class BackOff:
     """Exponential back-off for a drafter that does not pay: after proposals that were not worth it, skip the next
     1, 2, 4 .. ``limit`` proposals; one that pays resets it.
 
-    :meth:`judge` decides "worth it" with the drafting time included: committed tokens over the cost of the
-    verification plus the proposal, both in one-token target steps, must reach plain decoding's 1 token per step.
-    The decision survives a busy machine: the drafting time is the minimum of the recent ones
-    (:class:`~hf_specdec.costs.RecentMinimum`, as the target's costs are); a proposal pays when either its expected
-    tokens or what the recent proposals actually committed (:meth:`observe`) cover its cost, so a drafter whose
-    drafts are being accepted never switches itself off; and skipping starts only after two proposals in a row did
-    not pay (hysteresis). ``rules``: the call's (:mod:`hf_specdec.adaptive`): ``backoff``, ``backoff_hysteresis``,
-    ``backoff_realized`` and ``recent_minimum`` off drop each of these.
+    :meth:`judge` decides "worth it" with the drafting time included: the expected committed tokens over the cost
+    of the verification plus the proposal, both in one-token target steps, must reach plain decoding's 1 token per
+    step. The decision survives a busy machine: the drafting time is the minimum of the recent ones
+    (:class:`~hf_specdec.costs.RecentMinimum`, as the target's costs are). ``rules``: the call's
+    (:mod:`hf_specdec.adaptive`): ``backoff`` off never skips, ``recent_minimum`` off takes the latest time.
     """
 
-    MISSES = 2  # proposals in a row that must not pay before proposals are skipped
-
     def __init__(self, limit: int = 16, rules: Rules = ALL_ON):
-        self.limit, self.skip, self.length, self.misses = limit, 0, 0, 0
+        self.limit, self.skip, self.length = limit, 0, 0
         self.rules = rules
         self._step: float | None = None
         self.draft_times = RecentMinimum(window=8 if rules.recent_minimum else 1)
-        self.realized: float | None = None  # tokens a verification of drafts committed per row (running)
 
     @property
     def draft_cost(self) -> float:
@@ -59,21 +53,7 @@ class BackOff:
         if seconds is not None:
             self.draft_times.add(seconds)
         if expected is not None and self.draft_cost:
-            cost = verify + self.draft_cost
-            realized = (self.realized or 0.0) if self.rules.backoff_realized else 0.0
-            self.update(paid=max(expected, realized) / cost >= 1.0)
-
-    def observe(self, tree, result) -> None:
-        """Record what a verification of this drafter's proposal committed per row, over the rows that committed
-        (they shared the forward, drafts or not)."""
-        proposed = getattr(result, "proposed", None)  # drafts per row (host data; a tree's shape when not given)
-        drafted = any(proposed) if proposed is not None else tree.valid.shape[1] > 1
-        if not drafted:
-            return
-        committed = [len(t) for t in result.new_tokens if len(t)]
-        if committed:
-            mean = sum(committed) / len(committed)
-            self.realized = mean if self.realized is None else 0.7 * self.realized + 0.3 * mean
+            self.update(paid=expected / (verify + self.draft_cost) >= 1.0)
 
     def skipping(self) -> bool:
         """Whether this step's proposal is skipped (counts the step down; never with the rule backoff off)."""
@@ -83,12 +63,7 @@ class BackOff:
         return False
 
     def update(self, paid: bool) -> None:
-        if paid:
-            self.length = self.misses = 0
-        else:
-            self.misses += 1
-            if self.misses >= (self.MISSES if self.rules.backoff_hysteresis else 1):
-                self.length = min(max(1, 2 * self.length), self.limit)
+        self.length = 0 if paid else min(max(1, 2 * self.length), self.limit)
         self.skip = self.length
 
 
@@ -199,14 +174,7 @@ class RowDraft:
         return self.parents == list(range(len(self.tokens)))
 
 
-def tree_from_row_drafts(state, drafts: list[RowDraft | None], batch_rule: bool = True) -> DraftTree | None:
-    """The draft tree of per-row candidates (``None``: no drafts). With several rows, ``batch_rule`` first cuts
-    every row to the common length that pays for the whole batch (:func:`~hf_specdec.costs.batch_cap`), in place
-    in ``drafts`` (what the proposer learns from afterwards)."""
-    if batch_rule and state.batch_size > 1 and state.cost_model is not None:
-        cap = batch_cap([d.reach if d is not None else [] for d in drafts], state.cost_model, state.active)
-        for b, d in enumerate(drafts):
-            if d is not None and len(d.tokens) > cap:
-                drafts[b] = RowDraft(d.tokens[:cap], d.parents[:cap], d.reach[:cap], d.key) if cap else None
+def tree_from_row_drafts(state, drafts: list[RowDraft | None]) -> DraftTree | None:
+    """The draft tree of per-row candidates (``None``: no drafts)."""
     return DraftTree.from_rows(state.roots(), [d.tokens if d is not None else [] for d in drafts],
                                [d.parents if d is not None else [] for d in drafts])

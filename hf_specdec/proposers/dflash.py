@@ -17,7 +17,7 @@ the product of its tokens' probabilities at their positions. The ``tree_budget``
 over each position's :attr:`~DFlashProposer.TREE_WIDTH` most likely tokens, :func:`best_first`) form a tree, closed
 under ancestors, that the target verifies in one forward: where the chain bets on the argmax at every position, the
 tree also tries the runner-up tokens where the drafter hesitates. The adaptive schedule verifies the best-first
-prefix of ``n`` nodes that maximises the expected tokens (1 + the nodes' calibrated path probabilities) per unit of
+prefix of ``n`` nodes that maximises the expected tokens (1 + the nodes' path probabilities) per unit of
 measured verification cost ``c(n + 1)``, as the chain's length is chosen; the constant schedule the whole budget.
 Drafts are deterministic (each position's most likely tokens, after the call's logits processors, or under coupled
 sampling its noise), so sampling is exact by the verifier's rule for such drafts. One host read per proposal (the
@@ -35,7 +35,7 @@ import torch
 from .. import cache as cache_ops
 from ..conversions.common import load_converted_or_published
 from ..conversions.dflash import LAYOUTS, NATIVE_DRAFTERS, as_dflash_drafter, convert_dflash, export_dflash
-from ..costs import batch_cap, best_count
+from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
@@ -90,7 +90,7 @@ class DFlashProposer(FeatureDrafterProposer):
 
     def _keep(self, state, reaches: list[float], budget: int) -> tuple[int, tuple[float, float] | None]:
         """Drafts worth verifying: ``k`` maximising expected committed tokens per unit of forward cost, where the
-        ``i``-th draft (best first) is accepted with probability ``reaches[i]`` (calibrated host floats: a chain's
+        ``i``-th draft (best first) is accepted with probability ``reaches[i]`` (host floats: a chain's
         running product of the drafter's top probabilities, a tree node's path product); with the expected tokens
         and the verification cost of that ``k`` (``None`` when no ``k`` beats a plain step). Not adaptive:
         ``budget``."""
@@ -109,12 +109,12 @@ class DFlashProposer(FeatureDrafterProposer):
         """Logits of the block positions a draft may use. The target's LM head over all 15 positions costs about a
         third of a decoding step on a CPU; the adaptive rule rarely keeps more than a few drafts of a weak drafter, so
         the first :attr:`HEAD_FIRST` positions are scored first and the rest only while some row's drafts are still
-        likely enough (calibrated cumulative confidence >= :attr:`HEAD_MORE`) to be kept."""
+        likely enough (cumulative confidence >= :attr:`HEAD_MORE`) to be kept."""
         need = min(hidden.shape[1], max(state.max_drafts))
         first = min(need, self.HEAD_FIRST) if self.adaptive and self.rules.dflash_head_first else need
         logits = self.drafter.draft_logits(hidden[:, :first]).float().to(state.device)
         if first < need:
-            confidence = torch.softmax(logits, dim=-1).max(-1).values * min(self.calibration, 1.5)
+            confidence = torch.softmax(logits, dim=-1).max(-1).values
             if float(torch.cumprod(confidence.clamp(max=1.0), 1)[:, -1].max()) >= self.HEAD_MORE:
                 rest = self.drafter.draft_logits(hidden[:, first:need]).float().to(state.device)
                 logits = torch.cat([logits, rest], dim=1)
@@ -143,7 +143,6 @@ class DFlashProposer(FeatureDrafterProposer):
             return self._tree(state, logits, t0 if end - start <= self.BACKLOG else None)
         process = state.draft_process_fn()
         drafts, probs_all, kept, best, confidences = [], [], [], None, []
-        cal = min(self.calibration, 1.5)
         greedy = process is None and not state.do_sample
         if greedy:  # on the device; with the adaptive rule, the confidences come back in one read
             drafts = logits.argmax(-1)
@@ -153,7 +152,7 @@ class DFlashProposer(FeatureDrafterProposer):
             row_logits = logits[b]
             if greedy:
                 confidence = host_conf[b] if host_conf is not None else []
-                k, worth = self._keep(state, _reaches(confidence[:budget], cal), budget) if budget > 0 else (0, None)
+                k, worth = self._keep(state, _reaches(confidence[:budget]), budget) if budget > 0 else (0, None)
                 best = _better(best, worth)
                 kept.append(k)
                 confidences.append(confidence[:k])
@@ -175,14 +174,14 @@ class DFlashProposer(FeatureDrafterProposer):
                 row_tokens = row_logits.argmax(-1)
             confidence = (row_probs if row_probs is not None else torch.softmax(row_logits, -1)).max(-1).values
             confidence = confidence.tolist()
-            k, worth = self._keep(state, _reaches(confidence[:budget], cal), budget) if budget > 0 else (0, None)
+            k, worth = self._keep(state, _reaches(confidence[:budget]), budget) if budget > 0 else (0, None)
             best = _better(best, worth)
             drafts.append(row_tokens)
             probs_all.append(row_probs)
             kept.append(k)
             confidences.append(confidence[:k])
-        kept = self._settle(state, [_reaches(c, cal) for c in confidences], [_reaches(c, 1.0) for c in confidences],
-                            kept, best, t0 if end - start <= self.BACKLOG else None)
+        kept = self._settle(state, [_reaches(c) for c in confidences], kept, best,
+                            t0 if end - start <= self.BACKLOG else None)
         if kept is None:
             return None
         tokens = drafts if greedy else torch.stack(drafts)
@@ -199,34 +198,29 @@ class DFlashProposer(FeatureDrafterProposer):
             logits = _processed(state, process, logits)
         top_p, top_ids = torch.softmax(logits, -1).topk(min(self.TREE_WIDTH, self.tree_budget, logits.shape[-1]), -1)
         host = torch.stack([top_p.double(), top_ids.double()]).tolist()  # [2][B][W][k]: the proposal's one read
-        cal = min(self.calibration, 1.5)
-        rows, reach, raw, kept, best = [], [], [], [], None
+        rows, reach, kept, best = [], [], [], None
         for b in range(bsz):
             nodes = best_first(host[0][b][:min(state.max_drafts[b], width)], self.tree_budget)
-            raw.append([p for _, _, _, p in nodes])
-            reach.append([min(p * cal ** (d + 1), 1.0) for d, _, _, p in nodes])
+            reach.append([min(p, 1.0) for _, _, _, p in nodes])
             k, worth = self._keep(state, reach[b], len(nodes))
             best = _better(best, worth)
             kept.append(k)
             rows.append(([int(host[1][b][d][r]) for d, r, _, _ in nodes], [q for _, _, q, _ in nodes]))
-        kept = self._settle(state, reach, raw, kept, best, t0)
+        kept = self._settle(state, reach, kept, best, t0)
         if kept is None:
             return None
         return DraftTree.from_rows(state.roots(), [t[:k] for (t, _), k in zip(rows, kept)],
                                    [q[:k] for (_, q), k in zip(rows, kept)])
 
-    def _settle(self, state, reach: list[list[float]], raw: list[list[float]], kept: list[int],
+    def _settle(self, state, reach: list[list[float]], kept: list[int],
                 best: tuple[float, float] | None, t0: float | None) -> list[int] | None:
-        """What chains and trees decide alike: each row's ``kept`` drafts (best first; ``reach[b]`` / ``raw[b]``
-        their calibrated / the drafter's probabilities of being accepted, host floats) cut to what pays for the
-        batch's shared forward (adaptive), the predictions recorded for the calibration, and the back-off's
-        judgement (``best``: the best row's ``(expected tokens, verification cost)`` when it pays; ``t0``: when the
-        proposal started, ``None`` for one that fed a backlog of context). ``None`` when no row keeps a draft."""
+        """What chains and trees decide alike: the back-off's judgement of each row's ``kept`` drafts (best first;
+        ``reach[b]`` the drafter's probabilities of their being accepted, host floats; ``best``: the best row's
+        ``(expected tokens, verification cost)`` when it pays, replaced by the batch's mean with several rows; ``t0``:
+        when the proposal started, ``None`` for one that fed a backlog of context). ``None`` when no row keeps a
+        draft."""
         bsz = state.batch_size
-        if self.adaptive and self.rules.batch_cap and bsz > 1 and state.cost_model is not None:  # one shared forward
-            reach = [r[:k] for r, k in zip(reach, kept)]
-            cap = batch_cap(reach, state.cost_model, state.active)
-            kept = [min(k, cap) for k in kept]
+        if self.adaptive and bsz > 1 and state.cost_model is not None:  # one shared forward
             # what the batch expects of this proposal (the back-off's judgement): the active rows' mean
             active = [b for b in range(bsz) if state.active[b]] or list(range(bsz))
             expected = 1.0 + sum(sum(reach[b][:kept[b]]) for b in active) / len(active)
@@ -234,14 +228,12 @@ class DFlashProposer(FeatureDrafterProposer):
             best = (expected, verify) if any(kept) else None
         seconds = time.perf_counter() - t0 if t0 is not None else None
         if not any(kept):
-            self._predicted = None
             if self.adaptive and all(state.max_drafts[b] > 0 for b in range(bsz)):
                 self.backoff.judge(state, seconds, None, None)
                 self.backoff.update(paid=False)
             return None
         if self.adaptive:
             self.backoff.judge(state, seconds, *(best or (None, None)))
-        self._predicted = [sum(r[:k]) for r, k in zip(raw, kept)]
         return kept
 
 
@@ -293,12 +285,12 @@ def _better(best: tuple[float, float] | None, worth: tuple[float, float] | None)
     return best
 
 
-def _reaches(confidence: list[float], cal: float) -> list[float]:
-    """Calibrated running products, each clamped to 1 (the batch rule's estimate per draft)."""
+def _reaches(confidence: list[float]) -> list[float]:
+    """Running products, each clamped to 1 (the batch rule's estimate per draft)."""
     out, run = [], 1.0
     for c in confidence:
-        run *= min(c, 1.0) * cal
-        out.append(min(run, 1.0))
+        run *= min(c, 1.0)
+        out.append(run)
     return out
 
 

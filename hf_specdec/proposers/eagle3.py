@@ -22,7 +22,6 @@ from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3, export_eagle3
-from ..costs import batch_cap
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.eagle3 import Eagle3Drafter
 from ..placement import drafter_device
@@ -58,7 +57,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             ``tree_*`` options are not given: 2 / 3 / 4 on a CPU in fp32, 3 / 4 / 8 in half precision).
         num_speculative_tokens: draft a chain of this length instead of a tree.
         adaptive: verify only as many of the best ``total_tokens - 1`` nodes as pay for their cost (the loop's
-            measured forward costs, the drafter's calibrated probabilities); ``False`` always verifies them all.
+            measured forward costs, the drafter's probabilities); ``False`` always verifies them all.
             When even the best tree cannot pay for the drafting itself (measured time of a proposal, in units of a
             one-token target step), the tree is not drafted for the next 1, 2, 4 .. 16 steps; the
             drafter catches up on the skipped context at the next proposal. A chain is cut the same way, and each
@@ -219,7 +218,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         rows = [r for b, r in enumerate(best) if state.max_drafts[b]] or best
         self._confident = 0
         for d in range(len(rows[0]) if rows else 0):
-            if max(r[d] for r in rows) * self.calibration < 0.02:
+            if max(r[d] for r in rows) < 0.02:
                 break
             self._confident = d + 1
 
@@ -372,16 +371,10 @@ class Eagle3Proposer(FeatureDrafterProposer):
             self._judge_depths(state, [host[bsz * keep_n + b * depths:bsz * keep_n + (b + 1) * depths]
                                        for b in range(bsz)])
             counts = [min(c, self._pays(state, r)) for c, r in zip(counts, reach)]
-            if self.rules.batch_cap and bsz > 1 and state.cost_model is not None:  # the rows share one forward
-                cap = batch_cap([[p * self.calibration for p in r[:c]] for r, c in zip(reach, counts)],
-                                state.cost_model, state.active)
-                counts = [min(c, cap) for c in counts]
-            self._predicted = [sum(r[:c]) for r, c in zip(reach, counts)]
-            for predicted, c in zip(self._predicted, counts):
-                self._note_worth(state, predicted, c)
+            for r, c in zip(reach, counts):
+                self._note_worth(state, sum(r[:c]), c)
         width = max(counts)
         if width == 0:
-            self._predicted = None
             return None
         nodes = ranked[:, :width]  # [B, W] the candidate of each tree node after the root, best first
         keep = None if min(counts) == width else \

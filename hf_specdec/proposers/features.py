@@ -8,9 +8,8 @@ What every such proposer does the same way, written once here:
   it mirrors the target cache's column layout; after a step the features of the accepted path's nodes are appended
   (:meth:`commit`), after a compaction the same columns are gathered (:meth:`on_compact`). ``cache`` is the
   drafter's own KV cache and ``synced`` the number of target columns whose drafter rows it holds.
-* **calibration**: the drafter's confidence predicts how many drafts are accepted; ``calibration`` is the running
-  ratio of accepted to predicted drafts (a subclass stores its prediction in ``_predicted``, one float per row; the
-  adaptive rule ``drafter_calibration``, :mod:`hf_specdec.adaptive`).
+* **sizing**: the drafter's confidences (a draft's probability of lying on the accepted path) predict how many
+  drafts are accepted; :meth:`_pays` and :meth:`_cut_chains` keep the drafts that pay for their verification.
 * **back-off**: ``backoff`` (:class:`~hf_specdec.proposers.base.BackOff`) skips proposals that do not pay.
 
 The call's adaptive rules (``rules``) are taken from the state in ``begin`` (:meth:`_start`).
@@ -21,7 +20,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..costs import batch_cap, best_count
+from ..costs import best_count
 from ..syncs import to_device
 from ..tree import additive_mask, build_attention_mask
 from .base import BackOff, Proposer, rules_of
@@ -33,7 +32,7 @@ class FeatureDrafterProposer(Proposer):
 
     Args:
         drafter: a drafter with ``bind_target(model)`` and ``feature_layer_ids(config)``.
-        adaptive: size drafts from the measured costs and the drafter's calibrated confidence, and back off when
+        adaptive: size drafts from the measured costs and the drafter's confidence, and back off when
             drafting does not pay (the subclass's rule); ``False`` always drafts the most it may.
     """
 
@@ -42,8 +41,6 @@ class FeatureDrafterProposer(Proposer):
     def __init__(self, drafter, adaptive: bool = True):
         self.drafter = drafter
         self.adaptive = adaptive
-        self.calibration = 1.0  # accepted drafts / predicted (drafter probabilities), running
-        self._predicted: list[float] | None = None
         self.target_hidden_states = None
 
     def hidden_state_ids(self, layer_ids: list[int]) -> list[int]:
@@ -71,8 +68,6 @@ class FeatureDrafterProposer(Proposer):
         self._additive: bool | None = None  # :meth:`_additive_masks`, looked up at the call's first mask
 
     def commit(self, state, tree, result) -> None:
-        self._update_calibration(result)
-        self.backoff.observe(tree, result)
         width = max(len(p) for p in result.paths)
         if result.path_index is not None:  # the rule ran on the device: the paths are there already
             nodes = result.path_index[:, :width].to(self.device)  # [B, W]
@@ -135,33 +130,25 @@ class FeatureDrafterProposer(Proposer):
                                     layout.positions[:, start:end].to(self.device), attends, self.dtype)
 
     def _pays(self, state, reach: list[float]) -> int:
-        """How many of the best drafts to verify (``reach``: host floats, their uncalibrated probabilities of lying on
+        """How many of the best drafts to verify (``reach``: host floats, their probabilities of lying on
         the accepted path, best first): the count maximising expected committed tokens per unit of verification cost
         (0: none beats a plain step); all of them when not adaptive."""
         if not self.adaptive or state.cost_model is None:
             return len(reach)
         expected, total = [], 1.0
         for r in reach:
-            total += r * self.calibration
+            total += r
             expected.append(total)
         return best_count(expected, state.cost_model)
 
     def _cut_chains(self, state, reach: list[list[float]], counts: list[int]) -> list[int]:
         """Each row's chain cut to the drafts that pay (``reach[b][i]``, host floats read in the proposal's one read:
         the probability that draft ``i`` and the drafts before it are accepted; ``counts``: the drafts each row may
-        have); the predictions are recorded for the calibration and the back-off."""
+        have); the predictions are recorded for the back-off."""
         counts = [min(c, self._pays(state, reach[b][:c])) if c else 0 for b, c in enumerate(counts)]
-        if self.adaptive and self.rules.batch_cap and state.batch_size > 1 and state.cost_model is not None:
-            # the batch shares the forward
-            cap = batch_cap([[r * self.calibration for r in reach[b][:c]] for b, c in enumerate(counts)],
-                            state.cost_model, state.active)
-            counts = [min(c, cap) for c in counts]
-        self._predicted = [sum(reach[b][:c]) for b, c in enumerate(counts)]
         for b, c in enumerate(counts):
             if c:
-                self._note_worth(state, self._predicted[b], c)
-        if not any(counts):
-            self._predicted = None
+                self._note_worth(state, sum(reach[b][:c]), c)
         return counts
 
     def _target_probs(self, state, probs: torch.Tensor) -> torch.Tensor:
@@ -175,21 +162,13 @@ class FeatureDrafterProposer(Proposer):
 
     def _note_worth(self, state, reach: float, n: int) -> None:
         """Add one row's drafts to ``_worth``, the proposal's ``(expected tokens, verification cost)`` for
-        :meth:`BackOff.judge` (``None`` starts a proposal): ``n`` drafts whose (uncalibrated) probabilities of lying on
+        :meth:`BackOff.judge` (``None`` starts a proposal): ``n`` drafts whose probabilities of lying on
         the accepted path sum to ``reach``. The rows share one verification, as wide as the widest row, so the
         expected tokens are the mean over the active rows (a row without drafts commits one)."""
         if state.cost_model is None:
             return
         total, widest = (0.0, 0) if self._worth is None else self._worth_sum
-        total, widest = total + reach * self.calibration, max(widest, n)
+        total, widest = total + reach, max(widest, n)
         self._worth_sum = (total, widest)
         rows = max(1, sum(1 for a in state.active if a))
         self._worth = (1.0 + total / rows, state.cost_model.relative(widest + 1))
-
-    def _update_calibration(self, result) -> None:
-        if self._predicted is None:
-            return
-        predicted, accepted = sum(self._predicted), sum(result.num_accepted)
-        if predicted > 0 and self.rules.drafter_calibration:  # off: the drafter's confidences as they are
-            self.calibration = 0.9 * self.calibration + 0.1 * min(max(accepted / predicted, 0.2), 2.0)
-        self._predicted = None

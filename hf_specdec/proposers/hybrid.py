@@ -120,11 +120,7 @@ class HybridProposer(Proposer):
         return _merge(state, tree, self.lookup.pending)
 
     def commit(self, state, tree, result) -> None:
-        backoff = getattr(self.model, "backoff", None)
-        realized = backoff.realized if backoff is not None else None
         self.model.commit(state, tree, result)
-        if backoff is not None and "model" not in self.choice:  # another source's drafts say nothing of the model's
-            backoff.realized = realized
         self.lookup.commit(state, tree, result)
         rows = [b for b, c in enumerate(self.choice) if c == "model" and result.paths[b]]
         if rows and getattr(self, "_model_seconds", None) is not None and state.cost_model is not None:

@@ -116,8 +116,6 @@ class LayerSkipProposer(Proposer):
         # one drafting step: early layers + exit read-out (the rule recent_minimum off: the latest)
         self.step_times = RecentMinimum(window=16 if self.rules.recent_minimum else 1)
         self.prior_cost = self.early_share + (0.05 if self.adapter is None else 0.1)
-        self.calibration = 1.0
-        self._predicted = None
         self.fed = 0
         if self.adapter is not None:
             self.adapter_cache = DynamicCache()
@@ -184,7 +182,7 @@ class LayerSkipProposer(Proposer):
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs, exits = [], [], []
         current = roots
-        reach, predicted = 1.0, 0.0  # P(every draft so far accepted), calibrated; its sum over the drafts
+        reach = 1.0  # P(every draft so far accepted)
         for j in range(k):
             if j > 0 and self.num_tokens is None:
                 if self.confidence is not None:  # Kangaroo's second exit: the last draft was not confident enough
@@ -210,14 +208,12 @@ class LayerSkipProposer(Proposer):
             current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
             if state.do_sample:
                 probs.append(p)
-            if self.num_tokens is None:  # the adaptive stop reads the best row's confidence in its draft (calibrated):
+            if self.num_tokens is None:  # the adaptive stop reads the best row's confidence in its draft:
                 last = float(p.gather(1, current[:, None]).max())  # rows draft in lockstep; a fixed length reads none
-                reach *= min(1.0, last * self.calibration)
-                predicted += reach
+                reach *= last
             drafts.append(current)
             self.step_times.add(time.perf_counter() - t0)
         k = len(drafts)
-        self._predicted = predicted if self.num_tokens is None else None
         self.fed = k  # the root and drafts[:k-1] went through the early layers (and the adapter)
         counts = [min(b, k) for b in budgets]
         tree = DraftTree.chain(roots, torch.stack(drafts, 1), counts, torch.stack(probs, 1) if probs else None)
@@ -235,10 +231,6 @@ class LayerSkipProposer(Proposer):
         for b, n_acc in enumerate(result.num_accepted):
             if result.paths[b] and proposed[b] > 0:
                 self.estimator.update("all", proposed[b], n_acc)
-        if self._predicted and self.rules.drafter_calibration:  # accepted over predicted drafts (the best row's)
-            best = max(result.num_accepted)
-            self.calibration = 0.9 * self.calibration + 0.1 * min(max(best / self._predicted, 0.2), 2.0)
-        self._predicted = None
         if self.adapter is not None:
             self._sync_adapter(state, result, fed)
 

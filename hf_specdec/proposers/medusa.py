@@ -9,10 +9,9 @@ The tree is a *choices* list as the reference writes it (``medusa_choices.py``):
 indices, ``[0, 1]`` = head 0's best token followed by head 1's second best. ``mc_sim_7b_63`` (63 nodes) is the
 default on an accelerator; on a CPU, where a forward over more than a few tokens costs much more than over one, the
 pool is its first :data:`CPU_CHOICES` entries. With the adaptive schedule (the default) each step keeps the pool
-nodes whose predicted acceptance (the product of the heads' probabilities along the path, calibrated by how many
-drafts were actually accepted) pays for the measured cost of verifying them; ``draft_length_schedule="constant"``
-verifies the whole pool. A chain (``num_speculative_tokens=k``: the top-1 token of heads ``0..k-1``) is the
-vLLM-style form.
+nodes whose predicted acceptance (the product of the heads' probabilities along the path) pays for the measured
+cost of verifying them; ``draft_length_schedule="constant"`` verifies the whole pool. A chain
+(``num_speculative_tokens=k``: the top-1 token of heads ``0..k-1``) is the vLLM-style form.
 
 Acceptance is exact by default (greedy: the output equals ``generate(do_sample=False)``; sampling: the engine's
 rule for deterministic drafts). ``acceptance="typical"`` is Medusa's **lossy** typical acceptance (sampling only):
@@ -29,7 +28,6 @@ import time
 import torch
 
 from ..conversions.medusa import LAYOUTS, convert_medusa, export_medusa
-from ..costs import batch_cap
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
 from ..placement import drafter_device
@@ -135,8 +133,6 @@ class MedusaProposer(FeatureDrafterProposer):
         self.last = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
 
     def commit(self, state, tree, result) -> None:
-        self._update_calibration(result)
-        self.backoff.observe(tree, result)
         hidden = self._fuse(state.hidden_states)  # [B, N, H] for every tree node
         # the last kept node's state is the one whose LM head gave the row's next token (a row without a path keeps
         # its state)
@@ -161,7 +157,7 @@ class MedusaProposer(FeatureDrafterProposer):
         top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [B, D, k]
         head, rank, ancestors = self._index(depth, k)
         node_tokens = self.drafter.draft_to_target(top_ids[:, head, rank]).to(state.device)  # [B, P] every pool node
-        self._predicted, self._worth = None, None
+        self._worth = None
         rows = [self._allowed(depth, k, m) for m in state.max_drafts]
         if self.adaptive:
             node_logp = top_logp[:, head, rank]  # [B, P]
@@ -169,8 +165,6 @@ class MedusaProposer(FeatureDrafterProposer):
             reach = torch.cat([node_logp, node_logp.new_zeros(node_logp.shape[0], 1)], 1)[:, ancestors].sum(-1).exp()
             rows = self._adapt(state, reach.tolist(), rows)  # the proposal's one host read
         tree = self._tree(state, node_tokens, rows)
-        if tree is None:
-            self._predicted = None
         if self.adaptive:
             self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
         return tree
@@ -203,17 +197,13 @@ class MedusaProposer(FeatureDrafterProposer):
 
     def _adapt(self, state, reach: list[list[float]], rows: list[list[int]]) -> list[list[int]]:
         """Each row's nodes cut to those that pay for their verification (``reach[b][i]``: node ``i``'s path
-        probability, host floats): the best first, as many as pay for the row, then for the batch; back in pool
-        order, closed under ancestors. Records the predictions for the calibration and the back-off."""
+        probability, host floats): the best first, as many as pay for the row; back in pool
+        order, closed under ancestors. Records the predictions for the back-off."""
         ordered = []
         for b, nodes in enumerate(rows):
             order = sorted(nodes, key=lambda i: -reach[b][i])  # stable: ties keep pool order (parents first)
             ordered.append(order[:self._pays(state, [reach[b][i] for i in order])])
-        if self.rules.batch_cap and state.batch_size > 1 and state.cost_model is not None:  # rows share one forward
-            cap = batch_cap([[reach[b][i] * self.calibration for i in nodes] for b, nodes in enumerate(ordered)],
-                            state.cost_model, state.active)
-            ordered = [nodes[:cap] for nodes in ordered]
-        kept, self._predicted = [], []
+        kept = []
         for b, nodes in enumerate(ordered):
             chosen = set(nodes)
             for i in nodes:  # a tie between a node and its parent can leave the parent out: add ancestors back
@@ -222,9 +212,8 @@ class MedusaProposer(FeatureDrafterProposer):
                     chosen.add(p)
                     p = self._parent[p]
             kept.append(sorted(chosen))
-            self._predicted.append(sum(reach[b][i] for i in chosen))
             if chosen:
-                self._note_worth(state, self._predicted[b], len(chosen))
+                self._note_worth(state, sum(reach[b][i] for i in chosen), len(chosen))
         return kept
 
     def _tree(self, state, node_tokens: torch.Tensor, rows: list[list[int]]):

@@ -9,7 +9,7 @@ layout (holes included) exactly as the EAGLE-3 drafter's does: the loop (drafter
 drafting, the cache kept in step with compactions) is :class:`~hf_specdec.proposers.eagle3.Eagle3Proposer`'s. A
 chain of ``k`` drafts applies the module again to its own output and the token just drafted (DeepSeek and vLLM's
 use of a one-module checkpoint); the rows of those drafts are thrown away after the proposal. The default chain has
-3 drafts, each verified only while its calibrated chance of acceptance pays for its measured cost; a dynamic tree
+3 drafts, each verified only while its chance of acceptance pays for its measured cost; a dynamic tree
 (EAGLE-2's) is one option away (``tree_top_k`` / ``tree_depth`` / ``tree_total_tokens``).
 
 **Parallel heads** (:class:`~hf_specdec.modeling.mtp.ParallelMTPHeads`). Every head reads the target's trunk state
@@ -109,7 +109,7 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
             else logits.argmax(-1)
         drafts = self.drafter.draft_to_target(picks).to(state.device)
         counts = [min(m, k) for m in state.max_drafts]
-        self._worth, self._predicted = None, None
+        self._worth = None
         if self.adaptive:
             reach = probs.gather(-1, picks[..., None])[..., 0].cumprod(-1).tolist()  # the proposal's one host read
             counts = self._cut_chains(state, reach, counts)

@@ -113,8 +113,7 @@ class PromptLookupProposer(Proposer):
 
     def propose(self, state):
         self.pending = self.row_drafts(state)
-        # the batch's common cap (adaptive, the rule batch_cap); constant: every row its most
-        return tree_from_row_drafts(state, self.pending, batch_rule=self.adaptive and self.rules.batch_cap)
+        return tree_from_row_drafts(state, self.pending)
 
     def commit(self, state, tree, result) -> None:
         self.learn(self.pending, result)

@@ -280,7 +280,7 @@ class UniversalProposer(Proposer):
             alpha = self.estimator.alpha("all")
             drafts.append(RowDraft(tokens, list(range(len(tokens))), [alpha ** (i + 1) for i in range(len(tokens))]))
         self.pending = drafts
-        tree = tree_from_row_drafts(state, drafts, batch_rule=self.adaptive and self.rules.batch_cap)
+        tree = tree_from_row_drafts(state, drafts)
         if self.adaptive and state.cost_model is not None:
             kept = [d for d in drafts if d is not None]
             worth = None
@@ -294,10 +294,8 @@ class UniversalProposer(Proposer):
         return tree
 
     def commit(self, state, tree, result) -> None:
-        if self.adaptive:
-            self.backoff.observe(tree, result)
-            if any(d is not None for d in self.pending):
-                self._draft_cost(state)  # remembers the drafter's measured cost for the next calls
+        if self.adaptive and any(d is not None for d in self.pending):
+            self._draft_cost(state)  # remembers the drafter's measured cost for the next calls
         for b, n_acc in enumerate(result.num_accepted):
             d = self.pending[b]
             if d is not None and result.paths[b]:
