@@ -201,7 +201,7 @@ class DFlashProposer(FeatureDrafterProposer):
         rows, reach, kept, best = [], [], [], None
         for b in range(bsz):
             nodes = best_first(host[0][b][:min(state.max_drafts[b], width)], self.tree_budget)
-            reach.append([min(p, 1.0) for _, _, _, p in nodes])
+            reach.append([p for _, _, _, p in nodes])  # path products of probabilities
             k, worth = self._keep(state, reach[b], len(nodes))
             best = _better(best, worth)
             kept.append(k)
@@ -286,7 +286,8 @@ def _better(best: tuple[float, float] | None, worth: tuple[float, float] | None)
 
 
 def _reaches(confidence: list[float]) -> list[float]:
-    """Running products, each clamped to 1 (the batch rule's estimate per draft)."""
+    """Running products of the confidences (each clamped to 1): draft ``i``'s estimated chance that it and the drafts
+    before it are accepted."""
     out, run = [], 1.0
     for c in confidence:
         run *= min(c, 1.0)
