@@ -24,7 +24,7 @@ def _conversation(i):
 @pytest.fixture()
 def sharegpt(monkeypatch):
     convs = [_conversation(i) for i in range(400)]
-    monkeypatch.setattr(data_mod, "read_sharegpt", lambda path=None: convs)
+    monkeypatch.setattr(data_mod, "read_sharegpt", lambda path=None: list(convs))  # a fresh list, as read
     return convs
 
 
@@ -46,7 +46,7 @@ def test_build_original_then_train_with_heldout_evaluation(tmp_path, tok, shareg
     out = corpus.build_corpus(target, tok, tmp_path / "c", limit=12, heldout_limit=4, max_length=64, progress=False)
     info = json.loads((out / "corpus.json").read_text())
     assert info["train_conversations"] == 12 and info["heldout_conversations"] == 4
-    assert set(info["seconds"]) == {"split", "features-train", "features-heldout"}
+    assert set(info["seconds"]) == {"split", "tokens-train", "tokens-heldout", "features-train", "features-heldout"}
     train = [json.dumps(r["conversations"]) for r in json.loads((out / "train.json").read_text())]
     heldout = [json.dumps(r["conversations"]) for r in json.loads((out / "heldout.json").read_text())]
     assert not set(train) & set(heldout)
@@ -171,3 +171,52 @@ def test_shard_window_shuffle_streams_a_window_of_shards_at_a_time():
     assert first == set(seen[:2])
     g.manual_seed(5)
     assert list(ShardWindowShuffle(Shards(), g, window=2)) == order  # the seed decides the order
+
+
+def test_tokens_travel_and_a_build_elsewhere_computes_only_the_features(tmp_path, tok, sharegpt, monkeypatch):
+    """``tokens_only`` stops at the token files; a folder holding only them and corpus.json (what is carried to a
+    GPU machine) builds the features without the split, the answers or the ShareGPT file, batched or not, and they
+    are the features a whole build here computes."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    target = tiny_model("llama", layers=2, hidden=32)
+    whole = corpus.build_corpus(target, tok, tmp_path / "whole", limit=6, heldout_limit=2, max_length=64,
+                                progress=False)
+    here = corpus.build_corpus(target, tok, tmp_path / "here", limit=6, heldout_limit=2, max_length=64,
+                               progress=False, tokens_only=True)
+    assert not (here / "features-train").exists() and corpus.tokens_file(here, "train").is_file()
+    assert corpus.read_tokens(corpus.tokens_file(here, "heldout")) == corpus.read_tokens(
+        corpus.tokens_file(whole, "heldout"))
+    for batch in (1, 4):
+        there = tmp_path / f"there{batch}"
+        there.mkdir()
+        for name in ("corpus.json", "tokens-train.npz", "tokens-heldout.npz"):
+            shutil.copy(here / name, there / name)
+        monkeypatch.setattr(data_mod, "read_sharegpt", lambda path=None: pytest.fail("ShareGPT read again"))
+        corpus.build_corpus(target, tok, there, limit=6, heldout_limit=2, max_length=64, progress=False,
+                            feature_batch=batch)
+        for split in ("features-train", "features-heldout"):
+            shards = sorted((whole / split).glob("shard_*"))
+            assert shards and [p.name for p in shards] == sorted(p.name for p in (there / split).glob("shard_*"))
+            for path in shards:
+                one, two = load_file(str(path)), load_file(str(there / split / path.name))
+                assert one.keys() == two.keys()
+                for key in one:
+                    if batch == 1 or key in ("input_ids", "loss_mask", "offsets"):
+                        assert torch.equal(one[key], two[key]), key
+                    elif key != "target_argmax":  # batched products round differently, the fp16 values barely
+                        torch.testing.assert_close(one[key].float(), two[key].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_the_fitted_schedule_warms_up_then_decays_to_zero_at_the_end():
+    """``--fit-minutes``: the factor follows the fraction of the run done (steps or minutes, whichever is larger)."""
+    from hf_specdec.training.trainer import fitted_schedule
+
+    assert fitted_schedule(0.0, 0.05, 100) == pytest.approx(0.2)  # the first step learns (1/100 of the run)
+    assert fitted_schedule(0.025, 0.05, 100) == pytest.approx(0.5)
+    assert fitted_schedule(0.05, 0.05, 100) == pytest.approx(1.0)
+    assert fitted_schedule(0.525, 0.05, 100) == pytest.approx(0.5)
+    assert fitted_schedule(1.0, 0.05, 100) == pytest.approx(0.0, abs=1e-12)
+    assert fitted_schedule(1.7, 0.05, 100) == pytest.approx(0.0, abs=1e-12)  # past the end: stays annealed

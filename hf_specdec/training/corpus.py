@@ -6,6 +6,8 @@ A corpus folder holds::
 
     train.json, heldout.json          ShareGPT-format records (the split; original answers)
     train-regen.json, heldout-regen.json   with ``--answers regenerated``: first user turns answered by the target
+    tokens-train.npz, tokens-heldout.npz   the tokenized conversations the features are taken of (what travels
+                                      to another machine: with corpus.json, a build there computes only the features)
     features-train/, features-heldout/     the target's features of the answers used (fp16 shards, resumable)
     corpus.json                       what was built, with which settings, and the seconds each stage took
 
@@ -146,7 +148,7 @@ class _Stages:
 def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: int | None = None,
                  heldout_limit: int | None = 200, max_length: int = 384, max_new_tokens: int = 256,
                  batch_size: int = 32, generator=None, data_path=None, seed: int = 0, part: tuple[int, int] = (0, 1),
-                 progress: bool = True) -> Path:
+                 progress: bool = True, tokens_only: bool = False, feature_batch: int = 1) -> Path:
     """Build (or finish building) a corpus folder; every stage resumes where an interrupted run stopped.
 
     Args:
@@ -162,6 +164,11 @@ def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: i
             build one corpus side by side; ``--part i+1/n`` on the command line). The split and the regenerated
             answers are made by part ``(0, n)``; the others start once they exist, and log their stages' seconds
             in ``corpus-part<i+1>.json``.
+        tokens_only: stop after the token files (``tokens-<split>.npz``, what the features are taken of): copy them
+            with ``corpus.json`` to a machine with a GPU, and the same build there computes only the features (the
+            split, the answers and the tokenizing are not done again; no ShareGPT file is needed there).
+        feature_batch: conversations per target forward while caching features (right-padded; 1 on a CPU keeps
+            every forward exactly the unbatched one, a GPU wants 32 or more).
 
     Example::
 
@@ -186,7 +193,7 @@ def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: i
     layer_ids = default_target_layer_ids(target.config.get_text_config().num_hidden_layers)
     for name, count in (("train", limit), ("heldout", heldout_limit)):  # both splits first: the other parts wait
         records = out / f"{name}.json"                                  # for them only, not for part 1's features
-        if not records.exists():
+        if not records.exists() and not tokens_file(out, name).exists():
             if index:
                 raise ValueError(f"{records} is not there yet: part 1/{parts} writes the split; run it first.")
 
@@ -201,6 +208,17 @@ def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: i
     for name in ("train", "heldout"):
         records = out / f"{name}.json"
         data = records
+        tokens = tokens_file(out, name)
+
+        def features(samples, name=name, data=data):
+            if not tokens_only:
+                stages.run(f"features-{name}", lambda: prepare_features(
+                    target, tokenizer, out / f"features-{name}", layer_ids, len(samples), max_length, seed,
+                    progress, data_path=data, part=part, tokens=samples, batch_size=feature_batch))
+
+        if tokens.exists():  # tokenized here or on another machine: only the features are left to compute
+            features(read_tokens(tokens))
+            continue
         if answers == "regenerated":
             data = out / f"{name}-regen.json"
             firsts = [("sharegpt", r["conversations"][0]["value"]) for r in json.loads(records.read_text())]
@@ -212,13 +230,46 @@ def build_corpus(target, tokenizer, out_dir, answers: str = "original", limit: i
                 raise ValueError(f"{data} is not complete: part 1/{parts} regenerates the answers; run it until "
                                  "its features stage starts.")
         size = len(json.loads(data.read_text()))
-        stages.run(f"features-{name}", lambda data=data, name=name, size=size: prepare_features(
-            target, tokenizer, out / f"features-{name}", layer_ids, size, max_length, seed, progress,
-            data_path=data, part=part))
+        samples = stages.run(f"tokens-{name}", lambda data=data, size=size: training_samples(
+            tokenizer, size, max_length=max_length, seed=seed, data_path=data))
+        if not index:  # every part tokenizes the same way; part 1 keeps the file
+            write_tokens(samples, tokens)
         stages.note(**{f"{name}_conversations": size})
+        features(samples)
     if progress:
         print(f"corpus in {out}: {json.dumps(stages.info['seconds'])} s per stage", file=sys.stderr)
     return out
+
+
+def tokens_file(folder, name: str) -> Path:
+    """The token file of split ``name`` (``"train"`` / ``"heldout"``) in a corpus folder."""
+    return Path(folder) / f"tokens-{name}.npz"
+
+
+def write_tokens(samples: list[tuple[list[int], list[int]]], path) -> Path:
+    """``(input_ids, loss_mask)`` samples as one compressed file (token ids in 16 bits where the vocabulary
+    allows: the corpus' 5.4 M tokens take about 10 MB), written atomically."""
+    import numpy as np
+
+    ids = [i for s, _ in samples for i in s]
+    dtype = np.uint16 if not ids or max(ids) < 2 ** 16 else np.uint32
+    offsets = np.cumsum([0] + [len(s) for s, _ in samples], dtype=np.int64)
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(f, input_ids=np.asarray(ids, dtype=dtype), offsets=offsets,
+                            loss_mask=np.asarray([m for _, mask in samples for m in mask], dtype=np.uint8))
+    tmp.replace(path)
+    return path
+
+
+def read_tokens(path) -> list[tuple[list[int], list[int]]]:
+    """The samples :func:`write_tokens` wrote, as lists of ints."""
+    import numpy as np
+
+    with np.load(path) as f:
+        ids, mask, offsets = f["input_ids"].tolist(), f["loss_mask"].tolist(), f["offsets"].tolist()
+    return [(ids[a:b], mask[a:b]) for a, b in zip(offsets[:-1], offsets[1:])]
 
 
 def training_files(folder) -> tuple[Path, Path, Path]:
@@ -231,11 +282,11 @@ def training_files(folder) -> tuple[Path, Path, Path]:
 
 def prepare_features(target, tokenizer, out_dir, layer_ids, samples: int, max_length: int, seed: int = 0,
                      progress: bool = True, regenerate_max_new_tokens: int | None = None, data_path=None,
-                     part: tuple[int, int] = (0, 1)):
+                     part: tuple[int, int] = (0, 1), tokens: list | None = None, batch_size: int = 1):
     """Tokenize ShareGPT with the target's chat template (answers regenerated by the target when
-    ``regenerate_max_new_tokens`` is set) and cache the target's features (resumable; ``part``: see
-    :func:`.features.cache_features`)."""
-    from .features import cache_features
+    ``regenerate_max_new_tokens`` is set; ``tokens``: the samples, tokenized already) and cache the target's
+    features (resumable; ``part`` and ``batch_size``: see :func:`.features.cache_features`)."""
+    from .features import cache_features, complete
 
     folder = Path(out_dir)
     meta = folder / "meta.json"
@@ -244,14 +295,15 @@ def prepare_features(target, tokenizer, out_dir, layer_ids, samples: int, max_le
         fits = info.get("num_samples") == samples or (data_path is not None and info.get("num_samples", 0) <= samples)
         if info.get("layer_ids") != list(layer_ids) or not fits:
             raise ValueError(f"{folder} holds features for other settings ({info}); use another --features folder.")
-        if len(list(folder.glob("shard_*.safetensors"))) == -(-info["num_samples"] // info["shard_size"]):
+        if complete(folder):
             return folder  # complete (e.g. written by process 0 of a distributed run): no data to prepare again
-    data = training_samples(tokenizer, samples, max_length=max_length, seed=seed, target=target,
-                            regenerate_max_new_tokens=regenerate_max_new_tokens, data_path=data_path)
+    data = tokens if tokens is not None else training_samples(
+        tokenizer, samples, max_length=max_length, seed=seed, target=target,
+        regenerate_max_new_tokens=regenerate_max_new_tokens, data_path=data_path)
     if progress:
         print(f"hf_specdec: {len(data)} conversations, {sum(len(i) for i, _ in data)} tokens "
               f"({sum(sum(m) for _, m in data)} under the loss mask)", file=sys.stderr)
-    return cache_features(target, data, folder, list(layer_ids), progress=progress, part=part)
+    return cache_features(target, data, folder, list(layer_ids), progress=progress, part=part, batch_size=batch_size)
 
 
 def shared_features(target, tokenizer, out_dir, features_dir, samples: int, max_length: int, seed: int = 0,

@@ -21,11 +21,13 @@ from ..placement import input_device
 
 
 def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: int = 64, progress: bool = True,
-                   part: tuple[int, int] = (0, 1)):
+                   part: tuple[int, int] = (0, 1), batch_size: int = 1):
     """Write ``shard_XXXXX.safetensors`` files for ``samples`` (``(input_ids, loss_mask)`` lists) into ``out_dir``.
 
     ``part=(i, n)``: only shards ``k`` with ``k % n == i`` (``n`` processes, e.g. one per core or per GPU, build
-    one cache side by side; each skips what exists)."""
+    one cache side by side; each skips what exists). ``batch_size``: conversations of a shard per target forward,
+    of similar lengths, right-padded (a causal model's real positions never see the padding after them, so only
+    the rounding of batched products can differ); 1 runs each conversation alone."""
     from tqdm.auto import tqdm
 
     out = Path(out_dir)
@@ -48,25 +50,40 @@ def cache_features(target, samples, out_dir, layer_ids: list[int], shard_size: i
         if path.exists():
             bar.update(len(shard))
             continue
-        ids_all, mask_all, feats, lasts, argmax, offsets = [], [], [], [], [], [0]
+        rows = {}  # sample index in the shard -> (features, last, argmax)
+        order = sorted(range(len(shard)), key=lambda i: len(shard[i][0]))  # similar lengths share a forward
         with torch.no_grad():
-            for ids, mask in shard:
-                x = torch.tensor([ids], device=input_device(target))  # model.device: meta when offloaded
+            for start in range(0, len(order), batch_size):
+                group = order[start:start + batch_size]
+                width = max(len(shard[i][0]) for i in group)
+                x = torch.tensor([shard[i][0] + [shard[i][0][-1]] * (width - len(shard[i][0])) for i in group],
+                                 device=input_device(target))  # model.device: meta when offloaded
                 hs = target(input_ids=x, output_hidden_states=wanted, logits_to_keep=1).hidden_states
-                feats.append(torch.cat([hs[i][0].to(torch.float16).cpu() for i in layer_ids], dim=-1))  # any devices
-                lasts.append(hs[n_layers][0].to(torch.float16).cpu())
-                argmax.append(target.get_output_embeddings()(hs[n_layers][0]).argmax(-1).to(torch.int32).cpu())
-                ids_all.append(torch.tensor(ids, dtype=torch.int32))
-                mask_all.append(torch.tensor(mask, dtype=torch.uint8))
-                offsets.append(offsets[-1] + len(ids))
-                bar.update(1)
+                top = target.get_output_embeddings()(hs[n_layers]).argmax(-1)
+                for row, i in enumerate(group):
+                    n = len(shard[i][0])
+                    rows[i] = (torch.cat([hs[j][row, :n].to(torch.float16).cpu() for j in layer_ids], dim=-1),
+                               hs[n_layers][row, :n].to(torch.float16).cpu(), top[row, :n].to(torch.int32).cpu())
+                bar.update(len(group))
+        offsets = torch.tensor([0] + [len(ids) for ids, _ in shard], dtype=torch.int64).cumsum(0)
         tmp = path.with_suffix(".tmp")
-        save_file({"input_ids": torch.cat(ids_all), "loss_mask": torch.cat(mask_all), "features": torch.cat(feats),
-                   "last": torch.cat(lasts), "target_argmax": torch.cat(argmax),
-                   "offsets": torch.tensor(offsets, dtype=torch.int64)}, str(tmp))
+        save_file({"input_ids": torch.tensor([t for ids, _ in shard for t in ids], dtype=torch.int32),
+                   "loss_mask": torch.tensor([m for _, mask in shard for m in mask], dtype=torch.uint8),
+                   "features": torch.cat([rows[i][0] for i in range(len(shard))]),
+                   "last": torch.cat([rows[i][1] for i in range(len(shard))]),
+                   "target_argmax": torch.cat([rows[i][2] for i in range(len(shard))]), "offsets": offsets}, str(tmp))
         tmp.rename(path)
     bar.close()
     return out
+
+
+def complete(folder) -> bool:
+    """Whether a feature folder holds every shard its ``meta.json`` announces."""
+    meta = Path(folder) / "meta.json"
+    if not meta.is_file():
+        return False
+    info = json.loads(meta.read_text())
+    return len(list(Path(folder).glob("shard_*.safetensors"))) == -(-info["num_samples"] // info["shard_size"])
 
 
 class FeatureShards(torch.utils.data.Dataset):
