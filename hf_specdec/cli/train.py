@@ -81,6 +81,9 @@ def add_commands(add) -> None:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop after this many minutes of training (a checkpoint and final/ are written; the same "
                         "command continues): chunks of a long run")
+    p.add_argument("--fit-minutes", action="store_true",
+                   help="with --max-minutes: warm-up and cosine decay run over those minutes (or the epochs, if "
+                        "sooner) instead of the steps, so a run inside a fixed time (a GPU lease) ends annealed")
     p.set_defaults(func=lambda a: _train(a))
 
     p = add("regenerate", "training data in the target's own words: ShareGPT / GSM8K / stdlib-code prompts "
@@ -121,6 +124,12 @@ def add_commands(add) -> None:
     p.add_argument("--part", type=_part, default=(0, 1), metavar="I/N",
                    help="this process builds every N-th feature shard from the I-th (1-based): N processes build one "
                         "corpus side by side; 1/N also writes the split and any regenerated answers, first")
+    p.add_argument("--tokens-only", action="store_true",
+                   help="stop after the token files (tokens-*.npz): copy them with corpus.json to another machine "
+                        "(a GPU), where the same command computes only the features")
+    p.add_argument("--feature-batch", type=_positive_int, default=None,
+                   help="conversations per target forward while caching features (default: 64 on a GPU, 1 on a "
+                        "CPU, where every forward stays exactly the unbatched one)")
     p.set_defaults(func=lambda a: _data(a))
 
 
@@ -147,7 +156,11 @@ def _data(args) -> int:
     out = build_corpus(model, tok, args.out, answers=args.answers, limit=args.limit,
                        heldout_limit=args.heldout_limit or None, max_length=args.max_length,
                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, generator=generator,
-                       data_path=args.data, seed=args.seed, part=args.part)
+                       data_path=args.data, seed=args.seed, part=args.part, tokens_only=args.tokens_only,
+                       feature_batch=args.feature_batch or (64 if device == "cuda" else 1))
+    if args.tokens_only:
+        print(f"tokens -> {out}: copy corpus.json and tokens-*.npz, then run the same command there for the features")
+        return 0
     data, features, heldout = training_files(out)
     print(f"corpus -> {out}; train with: hf-specdec train eagle3 --data {data} --features {features} "
           f"--eval-features {heldout} --samples 1000000 --out runs/eagle3")
@@ -157,11 +170,14 @@ def _data(args) -> int:
 def _train(args) -> int:
     from .. import training
 
+    from ..training.features import complete
+
     data = None if args.data == "sharegpt" else args.data.split(",")
-    for path in data or ():
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--data: {path!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
     features = args.features.split(",") if args.features else None
+    built = bool(features) and all(complete(f) for f in features)  # (here or elsewhere): the data is not read again
+    for path in data or ():
+        if not Path(path).is_file() and not built:
+            raise FileNotFoundError(f"--data: {path!r} is neither 'sharegpt' nor a file (see 'hf-specdec regenerate').")
     if data and len(data) > 1 and len(features or ()) != len(data):
         raise ValueError(f"--data names {len(data)} files: give as many --features folders, comma-separated.")
     from accelerate import PartialState
@@ -172,7 +188,7 @@ def _train(args) -> int:
                                   grad_accum=args.grad_accum,
                                   save_every=args.save_every, seed=args.seed, max_steps=args.max_steps,
                                   log_every=args.log_every, max_minutes=args.max_minutes,
-                                  eval_every=args.eval_every,
+                                  eval_every=args.eval_every, fit_minutes=args.fit_minutes,
                                   eval_features=tuple(args.eval_features.split(",")) if args.eval_features else ())
     common = dict(samples=args.samples, max_length=args.max_length, config=config, features_dir=features,
                   seed=args.seed, regenerate_max_new_tokens=args.regenerate or None,

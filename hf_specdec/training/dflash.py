@@ -21,8 +21,8 @@ def sample_anchors(loss_mask: torch.Tensor, valid: torch.Tensor, count: int, gen
     ok[:-1] = valid[:-1] & (loss_mask[1:] > 0) & valid[1:]
     cand = ok.nonzero().flatten()
     if cand.numel() > count:
-        cand = cand[torch.randperm(cand.numel(), generator=generator)[:count]].sort().values
-    out = torch.full((count,), -1, dtype=torch.long)
+        cand = cand[torch.randperm(cand.numel(), generator=generator)[:count].to(cand.device)].sort().values
+    out = torch.full((count,), -1, dtype=torch.long, device=valid.device)
     out[: cand.numel()] = cand
     return out
 
@@ -34,8 +34,9 @@ def block_loss(drafter, target_embed: torch.Tensor, target_head: torch.Tensor, b
     size = cfg.block_size
     dtype = drafter.fc.weight.dtype
     total, weight_total = 0.0, 0.0
-    correct = torch.zeros(size - 1)
-    counted = torch.zeros(size - 1)
+    device = batch["input_ids"].device  # every index and mask on the batch's device (a GPU's too)
+    correct = torch.zeros(size - 1, device=device)
+    counted = torch.zeros(size - 1, device=device)
     for b in range(batch["input_ids"].shape[0]):
         valid = batch["valid"][b]
         length = int(valid.sum())
@@ -47,17 +48,17 @@ def block_loss(drafter, target_embed: torch.Tensor, target_head: torch.Tensor, b
             continue
         n_blocks = anchors.numel()
         context = drafter.project(batch["features"][b, :length].to(dtype))[None]  # [1, T, H]
-        offsets = torch.arange(size)
+        offsets = torch.arange(size, device=device)
         pos = anchors[:, None] + offsets[None]  # [A, B]
-        block_ids = torch.full((n_blocks, size), cfg.mask_token_id, dtype=torch.long)
+        block_ids = torch.full((n_blocks, size), cfg.mask_token_id, dtype=torch.long, device=device)
         block_ids[:, 0] = ids[anchors]
         noise = F.embedding(block_ids, target_embed).to(dtype).reshape(1, n_blocks * size, -1)
         q_pos = pos.reshape(1, -1)
-        ctx_pos = torch.arange(length)[None]
+        ctx_pos = torch.arange(length, device=device)[None]
         # keys: context (T) then all blocks (A * B)
-        key_block = torch.arange(n_blocks).repeat_interleave(size)
+        key_block = torch.arange(n_blocks, device=device).repeat_interleave(size)
         query_block = key_block
-        ctx_ok = torch.arange(length)[None, :] < anchors.repeat_interleave(size)[:, None]  # strictly before anchor
+        ctx_ok = ctx_pos < anchors.repeat_interleave(size)[:, None]  # strictly before anchor
         same = query_block[:, None] == key_block[None, :]
         masks = []
         minval = torch.finfo(dtype).min
@@ -69,7 +70,7 @@ def block_loss(drafter, target_embed: torch.Tensor, target_head: torch.Tensor, b
             if cfg.layer_types[i] == "sliding_attention":
                 kp = torch.cat([ctx_pos[0], q_pos[0]])
                 allowed &= (q_pos[0][:, None] - kp[None, :]).abs() < cfg.sliding_window
-            masks.append(torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, minval)[None, None])
+            masks.append(torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, minval)[None, None])
         hidden = drafter(noise, context, q_pos, ctx_pos, attention_mask=masks)  # [1, A*B, H]
         hidden = hidden.reshape(n_blocks, size, -1)[:, 1:]  # positions 1..B-1
         label_pos = pos[:, 1:]

@@ -95,6 +95,7 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None
     max_minutes: float | None = None  # stop (checkpoint saved, resumable) after this much training time in this run
+    fit_minutes: bool = False  # the learning-rate schedule runs over max_minutes of this run (or the steps, if sooner)
     eval_features: tuple = ()  # feature cache folders evaluated on (held out): logged as "<folder>/<metric>"
     eval_every: int = 0  # optimizer steps between held-out evaluations (0: at the end only)
 
@@ -133,6 +134,15 @@ class ShardWindowShuffle(torch.utils.data.Sampler):
         for i in range(0, len(shards), self.window):
             ids = torch.cat([torch.arange(*self.ranges[s]) for s in shards[i:i + self.window]])
             yield from ids[torch.randperm(len(ids), generator=self.generator)].tolist()
+
+
+def fitted_schedule(done: float, ramp: float, total: int) -> float:
+    """The learning-rate factor of ``--fit-minutes`` when the fraction ``done`` of the run is over (the larger of
+    the steps' and the minutes' fractions): a linear warm-up over the first ``ramp``, then a cosine decay to 0 at
+    1; never 0 on the first of ``total`` steps."""
+    if done < ramp:
+        return max(done, 1 / total) / ramp
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (done - ramp) / (1 - ramp))))
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -186,9 +196,11 @@ def evaluate(model, dataset, batch_size: int = 4) -> dict:
     model.eval()
     sums: dict = {}
     weight = 0.0
+    device = next(model.parameters()).device  # the batches come from the CPU; the model may be on a GPU
     try:
         with torch.no_grad():
             for batch in loader:
+                batch = {k: v.to(device) for k, v in batch.items()}
                 tokens = float((batch["valid"] & batch["loss_mask"].bool()).sum())
                 loss, metrics = model(batch)
                 for k, v in {"loss": float(loss), **metrics}.items():
@@ -224,9 +236,17 @@ def _train(accelerator, model, loss_fn, dataset, out, config, save_model, progre
     warmup = max(1, int(total * config.warmup_ratio))
 
     def schedule(step):
+        if fitted:  # warm-up and decay over the fraction done of the steps or of the minutes, whichever is larger
+            done = step / total
+            if started is not None:
+                done = max(done, (clock() - elapsed) / (config.max_minutes * 60))
+            return fitted_schedule(done, config.warmup_ratio, total)
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    fitted = config.fit_minutes and bool(config.max_minutes)
+    started = None  # the schedule reads the clock once training starts
 
     # stepped once per optimizer step below (the accelerator's own stepping would step it once per process)
     scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
