@@ -70,6 +70,9 @@ def test_train_eagle3_resume_and_generate(tmp_path, tok, conversations):
 
     with safe_open(str(tmp_path / "e3" / "final" / "model.safetensors"), "pt") as f:  # shipped in half precision
         assert f.get_tensor("lm_head.weight").dtype == torch.float16 and "embed_tokens.weight" not in f.keys()
+    import json
+
+    assert json.loads((tmp_path / "e3" / "final" / "config.json").read_text())["dtype"] == "float16"  # as it holds
     # resume: a longer run continues from the last checkpoint
     cfg.max_steps = 4
     _, metrics = training.train_eagle3(target, tok, tmp_path / "e3", samples=8, max_length=64, draft_vocab=48,

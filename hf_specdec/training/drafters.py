@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .corpus import shared_features
-from .saving import _half_copy, _target_id
+from .saving import _half_copy, _record_dtype, _target_id
 from .trainer import TrainConfig, train
 
 
@@ -73,6 +73,7 @@ def _train_eagle3_model(drafter, target, shards, out, config, ttt_steps, save_dt
         state = {k: (v.to(save_dtype) if v.is_floating_point() else v) for k, v in model.state_dict().items()
                  if k != "embed_tokens.weight"}
         model.save_pretrained(folder, state_dict=state)
+        _record_dtype(folder, save_dtype)
 
     metrics = train(drafter, loss_fn, shards, out, config or TrainConfig(), save_model=save, progress=progress)
     final = Eagle3Drafter.from_pretrained(out / "final")

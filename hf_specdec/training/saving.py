@@ -13,12 +13,17 @@ def _half_copy(save_dtype):
     def save(m, folder):
         m.save_pretrained(folder, state_dict={k: (v.to(save_dtype) if v.is_floating_point() else v)
                                               for k, v in m.state_dict().items()})
-        # save_pretrained writes the dtype of the weights in memory (fp32 while training)
-        path = Path(folder) / "config.json"
-        config = json.loads(path.read_text())
-        config["dtype"] = str(save_dtype).removeprefix("torch.")
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _record_dtype(folder, save_dtype)
     return save
+
+
+def _record_dtype(folder, dtype) -> None:
+    """Make a saved config name the dtype its weights file holds (``save_pretrained`` writes the dtype of the
+    weights in memory: fp32 while training)."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _target_id(target) -> str | None:
