@@ -8,8 +8,8 @@
 #
 # Environment (all optional):
 #   BUDGET_MINUTES  wall-clock minutes for everything (default 14: a 15-minute device lease)
-#   METHODS         drafters trained side by side (default "eagle3"; e.g. "eagle3 dflash mtp"): the target's
-#                   launches, not the GPU, bound each one, so several share one GPU at little cost to each
+#   METHODS         drafters trained side by side (default "eagle3"; e.g. "eagle3 dflash mtp"): the host's
+#                   launches, not the GPU, bound each one; each gets its share of the host's cores (THREADS)
 #   CORPUS          a corpus folder tokenized elsewhere (`hf-specdec data build --tokens-only`; its corpus.json and
 #                   tokens-*.npz are copied into OUT/corpus): then no ShareGPT file is needed here, only features
 #   ANSWERS         original | regenerated (default original: see docs/training.md, "Which answers")
@@ -17,6 +17,7 @@
 #   HELDOUT         held-out conversations evaluated (default 200)
 #   INIT_FROM       a drafter folder to continue from (one method only; default: from scratch)
 #   BATCH, EPOCHS   batch size (default 16), passes at most (default 20: the time decides, see --fit-minutes)
+#   THREADS         CPU threads of each training process (default: the cores / the methods)
 #   LR_<method>     peak learning rate per method (defaults: eagle3 5e-4, dflash 5e-4, mtp 1e-3, medusa 1e-3)
 #   HF_SPECDEC      the command (default: hf-specdec; e.g. "python3 -m hf_specdec.cli")
 #   MODEL           a target path or Hub id (default: the embedded SmolLM2-135M-Instruct)
@@ -50,6 +51,10 @@ data=train.json
 [ "$ANSWERS" = regenerated ] && data=train-regen.json
 left=$(python3 -c "import time; print(round(max(1.0, $BUDGET - (time.time() - $START) / 60 - 1.5), 2))")
 declare -A lr=([eagle3]=5e-4 [dflash]=5e-4 [mtp]=1e-3 [medusa]=1e-3)
+# the host's cores shared out: three processes of 16 threads each on a 16-core host ran EAGLE-3 at 0.74 s a step,
+# one alone at 0.10 s (2026-12-04, H200 lease; docs/training.md)
+count=$(wc -w <<< "$METHODS")
+threads=${THREADS:-$(( $(nproc) / count > 0 ? $(nproc) / count : 1 ))}
 pids=()
 for m in $METHODS; do
     rate_var="LR_$m"
@@ -61,7 +66,7 @@ for m in $METHODS; do
            --log-every 50 --max-minutes "$left" --fit-minutes)
     [ -n "${INIT_FROM:-}" ] && train+=(--init-from "$INIT_FROM")
     [ -n "${MODEL:-}" ] && train+=(--target "$MODEL")
-    $HF train "$m" --out "$OUT/$m" "${train[@]}" > "$OUT/$m.log" 2>&1 &
+    OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads $HF train "$m" --out "$OUT/$m" "${train[@]}" > "$OUT/$m.log" 2>&1 &
     pids+=($!)
 done
 status=0
