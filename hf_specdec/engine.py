@@ -157,7 +157,8 @@ def _check_inputs(model, input_ids, attention_mask, generation_config, logits_pr
     if host.holes:  # left padding only: once a row has a real token, every later token is real
         raise ValueError(
             "Right padding (or holes) detected in attention_mask. Decoder-only models need left padding: "
-            "set tokenizer.padding_side = 'left'."
+            "set tokenizer.padding_side = 'left'. (A conversation continued from its cache: mark every generated "
+            "token 1, the padding after a row's end-of-sequence token included, as generate() marks them.)"
         )
     window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if window is not None:

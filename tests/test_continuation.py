@@ -322,3 +322,16 @@ def test_only_the_new_tokens_is_refused(target):
     with pytest.raises(ValueError, match="attention_mask covers 30 tokens but input_ids has 4.*whole conversation"):
         target.generate(input_ids=news[0], attention_mask=full_mask, cache=out.cache, **GREEDY,
                         custom_generate=hf_specdec.decoding_method("prompt_lookup"))
+
+
+def test_a_mask_with_holes_names_the_fix(target):
+    """The padding after a row's end-of-sequence token masked out in the next turn: refused as right padding, with
+    how to mark it."""
+    ids, mask, news = _turns(3)
+    eos = int(reference(target, 3)[0].sequences[0, ids.shape[1] + 3])
+    out = conversation(target, ids, mask, [], method("prompt_lookup", target), eos_token_id=eos)[0]
+    ids, mask = _next(out, mask, news[0])
+    mask[:, :out.sequences.shape[1]] &= (out.sequences != 0).long()
+    with pytest.raises(ValueError, match="mark every generated token 1"):
+        target.generate(input_ids=ids, attention_mask=mask, cache=out.cache, **GREEDY,
+                        custom_generate=hf_specdec.decoding_method("prompt_lookup"))
