@@ -48,7 +48,7 @@ __all__ = [
     "from_pretrained_options", "keep_in_fp32_strict", "load_pretrained", "load_with_conversions", "no_split_modules",
     "pad_token_tensor", "run_assisted_decoding", "sdpa_attention_forward", "sdpa_mask", "set_attention_implementation",
     "set_experts_implementation", "set_static_layer_length", "supports_logits_to_keep", "supports_sdpa",
-    "switch_attention",
+    "switch_attention", "dropped_mask_length", "user_defined_cache",
 ]
 
 CHECKED = ("5.24.0", "5.25.0")  # the versions every name here was checked with
@@ -129,6 +129,19 @@ def keep_in_fp32_strict(model_class) -> list[str]:
     """The parameter name patterns a transformers model keeps fp32 whatever the dtype
     (``_keep_in_fp32_modules_strict``). Checked: 5.24.0, 5.25.0."""
     return list(getattr(model_class, "_keep_in_fp32_modules_strict", None) or [])
+
+
+def user_defined_cache(cache) -> bool:
+    """Whether ``generate()`` got ``cache`` from its caller (``cache=`` / ``past_key_values=``; it marks such a cache
+    ``_is_user_defined``, not one it made itself): the loop fills a caller's cache, as ``generate()`` does.
+    Checked: 5.25.0."""
+    return bool(getattr(cache, "_is_user_defined", False))
+
+
+def dropped_mask_length(generation_config) -> int | None:
+    """The width of the attention mask ``generate()`` dropped for holding only ones (``_mask_length``: it slices the
+    input by it when continuing from a cache); ``None`` when it kept the mask. Checked: 5.25.0."""
+    return getattr(generation_config, "_mask_length", None)
 
 
 def set_static_layer_length(layer, length: int) -> None:

@@ -30,27 +30,118 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
 
     ``capacity`` is the number of columns a static cache must hold; a longer ``cache`` (``max_cache_len``, sized for
     the longest call, as transformers' ``generation_config.max_cache_len``) keeps its length: the same shapes from
-    call to call for a compiled forward.
+    call to call for a compiled forward. What ``cache`` holds is not copied (:func:`copy_columns` does that).
     """
-    if cache is not None:
-        if cache.get_seq_length() > 0:
-            raise UnsupportedCacheError(
-                "Speculative decoding starts from an empty cache; a pre-filled `cache`/`past_key_values` is not "
-                "supported. Pass the full prompt instead."
-            )
-        # sliding-window layers are replaced by full ones below, so only the layer kinds matter here
-        if not all(type(layer).__name__ in _EDITABLE for layer in cache.layers):
-            kinds = sorted({type(layer).__name__ for layer in cache.layers})
-            raise UnsupportedCacheError(
-                f"Speculative decoding needs a KV cache whose rejected rows can be cut back, got {type(cache).__name__}"
-                f" with layers {kinds}. Use the default dynamic cache or cache_implementation='static'."
-            )
+    # sliding-window layers are replaced by full ones below, so only the layer kinds matter here
+    if cache is not None and not all(type(layer).__name__ in _EDITABLE for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+        raise UnsupportedCacheError(
+            f"Speculative decoding needs a KV cache whose rejected rows can be cut back, got {type(cache).__name__}"
+            f" with layers {kinds}. Use the default dynamic cache or cache_implementation='static'."
+        )
     if isinstance(cache, StaticCache):
         capacity = max(capacity, cache.get_max_length() if cache.layers else 0)
         new = StaticCache(config=model.config, max_cache_len=capacity)
         new.layers = [StaticLayer(max_cache_len=capacity) for _ in new.layers]
         return new
     return DynamicCache()
+
+
+# ---- continuing from a cache an earlier call filled (a conversation's next turn)
+RECORD = "hf_specdec_continuation"  # the attribute of a cache handed back by a call: its :class:`Continuation`
+
+
+@dataclass
+class Continuation:
+    """What a call hands back with its cache (the attribute :data:`RECORD` of the cache object): the cache holds
+    ``length`` columns of ``batch_size`` rows, column ``j`` the key/values of token ``j`` of every row of the call's
+    output sequences; ``carried`` is what the call's proposer needs to continue from them
+    (:meth:`~hf_specdec.proposers.Proposer.hand_back`). A later call trusts it only while the cache still holds
+    exactly ``length`` columns of ``batch_size`` rows (plain ``generate()`` continuing the cache makes it longer)."""
+
+    length: int
+    batch_size: int
+    carried: object = None
+
+
+def held_columns(cache: Cache | None, batch_size: int, width: int) -> int:
+    """The columns ``cache`` (a ``cache=`` / ``past_key_values=`` the call was given) holds, for a call over
+    ``batch_size`` rows of ``width`` input tokens; 0 for none. As ``generate()`` continues from a cache, they are the
+    key/values of the first input tokens; a cache of another batch size or as long as the input is refused."""
+    if cache is None:
+        return 0
+    held = cache_length(cache)
+    if held == 0:
+        return 0
+    rows = next((layer.keys.shape[0] for layer in cache.layers
+                 if getattr(layer, "is_initialized", False) and layer.keys is not None), batch_size)
+    if rows != batch_size:
+        raise UnsupportedCacheError(
+            f"The cache holds {rows} rows but input_ids has {batch_size}: continue a conversation with the cache of "
+            "the same batch (out.past_key_values of the call that made it), or pass a fresh cache.")
+    if held >= width:
+        raise UnsupportedCacheError(
+            f"The cache holds {held} tokens but input_ids has {width}: pass the whole conversation as input_ids (the "
+            "tokens the cache holds followed by the new ones, e.g. torch.cat([out.sequences, new_ids], dim=1)), as "
+            "generate() continues from a cache, or a fresh cache.")
+    return held
+
+
+def continuation_of(cache: Cache, held: int, batch_size: int) -> Continuation | None:
+    """The :class:`Continuation` a call handed back with ``cache``, if it still describes what the cache holds."""
+    record = getattr(cache, RECORD, None)
+    if isinstance(record, Continuation) and record.length == held and record.batch_size == batch_size:
+        return record
+    return None
+
+
+def holds_every_column(cache: Cache, length: int) -> bool:
+    """Whether every layer of ``cache`` holds its first ``length`` columns in order (a sliding-window layer of plain
+    ``generate()`` keeps only its window of the latest ones)."""
+    return all(layer.keys.shape[-2] >= length for layer in cache.layers
+               if getattr(layer, "is_initialized", False) and layer.keys is not None)
+
+
+def continues_in_place(cache: Cache, loop_cache: Cache) -> bool:
+    """Whether the loop can run on ``cache`` itself instead of its fresh ``loop_cache``: a dynamic cache of full
+    layers only, as the loop keeps them (no copy of its columns; the caller's object is filled as ``generate()``
+    fills it)."""
+    return (type(cache) is DynamicCache and not is_static(loop_cache) and not cache.offloading
+            and all(type(layer) is DynamicLayer for layer in cache.layers))
+
+
+def copy_columns(source: Cache, target: Cache, length: int) -> None:
+    """Copy the first ``length`` columns of every layer of ``source`` into the empty ``target`` (dynamic or static)."""
+    if not is_static(target):
+        while len(target.layers) < len(source.layers):
+            target.layers.append(DynamicLayer())
+    for mine, theirs in zip(target.layers, source.layers):
+        if getattr(theirs, "is_initialized", False) and theirs.keys is not None:
+            mine.update(theirs.keys[..., :length, :], theirs.values[..., :length, :])
+
+
+def hand_over(source: Cache, target: Cache) -> None:
+    """Make ``target`` (the cache object the caller passed) hold what ``source`` (the loop's) holds, as ``generate()``
+    fills the cache it is given: its layers become ``source``'s (a dynamic ``target`` of a static loop cache gets
+    dynamic layers over the static layers' columns)."""
+    if is_static(source) and not isinstance(target, StaticCache):
+        length = cache_length(source)
+        target.layers = []
+        copy_columns(source, target, length)
+    else:
+        target.layers = source.layers
+    target.layer_class_to_replicate = source.layer_class_to_replicate
+
+
+def kept_mirror(cache: Cache, synced: int, index: torch.LongTensor) -> int:
+    """A drafter cache that mirrors the target cache's first ``synced`` columns, rebuilt as the target's from the
+    columns ``index`` ``[B, C]`` (:func:`gather_columns`): it keeps the leading columns of ``index`` it holds for every
+    row and returns how many (one read of ``index``)."""
+    below = (index < synced).all(0)  # [C]
+    kept = int(below.long().cumprod(0).sum()) if below.numel() else 0
+    crop(cache, synced)
+    gather_columns(cache, index[:, :kept])
+    return kept
 
 
 _EDITABLE = {

@@ -4,8 +4,8 @@ A compiled forward (and on a GPU its CUDA graph) holds for one set of input shap
 change size every step and a dynamic cache grows by a column per token. So, with the ``compile`` option
 (``compile=True``, the loop's option of every method), the call runs through :class:`CompiledRunner`:
 
-* the target's cache is a static one (``cache_implementation="static"`` semantics: the entry point makes it so,
-  :meth:`CompiledRunner.cache_for_call`), whose length is kept across calls (the longest so far, at least
+* the target's cache is a static one (``cache_implementation="static"`` semantics: the loop asks the runner for its
+  kind, :meth:`CompiledRunner.cache_for_call`), whose length is kept across calls (the longest so far, at least
   :attr:`CompiledRunner.MIN_CACHE`) so that a new prompt length is not a new shape;
 * every verification forward of ``q`` tree nodes runs at ``bucket_size(q)`` nodes: 1, 2, 4, 8, 16,
   32, 64, then multiples of 64. The padding nodes repeat the root (its token, position and mask row): no tree node

@@ -37,7 +37,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from . import cache as cache_ops
-from ._transformers import pad_token_tensor
+from ._transformers import dropped_mask_length, pad_token_tensor, user_defined_cache
 from .adaptive import Rules
 from .coupling import CoupledNoise, apply_warpers, call_seed, seeded
 from .dtypes import HALF
@@ -83,6 +83,7 @@ class SpeculativeStats:
     compactions: int = 0
     accept_histogram: dict[int, int] = field(default_factory=dict)
     exact_bits: bool | None = None  # half precision: verification rounds as the one-token steps (probed; see below)
+    cached_tokens: int = 0  # a continued conversation: input tokens per row the given cache held (not prefilled)
 
     @property
     def acceptance_length(self) -> float:
@@ -117,6 +118,7 @@ class SpeculativeStats:
             "compactions": self.compactions,
             "accept_histogram": dict(sorted(self.accept_histogram.items())),
             "exact_bits": self.exact_bits,
+            "cached_tokens": self.cached_tokens,
         }
 
 
@@ -140,6 +142,12 @@ def _check_inputs(model, input_ids, attention_mask, generation_config, logits_pr
         )
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
+    mask_width = attention_mask.shape[1] if attention_mask is not None else dropped_mask_length(generation_config)
+    if mask_width is not None and mask_width != input_ids.shape[1]:
+        raise ValueError(
+            f"attention_mask covers {mask_width} tokens but input_ids has {input_ids.shape[1]}: pass both for the same "
+            "tokens. A conversation continued from its cache takes the whole conversation as input_ids (the cached "
+            "tokens followed by the new ones, e.g. torch.cat([out.sequences, new_ids], dim=1)) with its mask.")
     if any(isinstance(p, UnbatchedClassifierFreeGuidanceLogitsProcessor) for p in logits_processor):
         raise ValueError("Classifier-free guidance (guidance_scale with a negative prompt) is not supported with "
                          "speculative decoding.")
@@ -149,7 +157,8 @@ def _check_inputs(model, input_ids, attention_mask, generation_config, logits_pr
     if host.holes:  # left padding only: once a row has a real token, every later token is real
         raise ValueError(
             "Right padding (or holes) detected in attention_mask. Decoder-only models need left padding: "
-            "set tokenizer.padding_side = 'left'."
+            "set tokenizer.padding_side = 'left'. (A conversation continued from its cache: mark every generated "
+            "token 1, the padding after a row's end-of-sequence token included, as generate() marks them.)"
         )
     window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if window is not None:
@@ -272,8 +281,11 @@ def speculative_decode(
     state.do_sample = stats.sampling in ("rejection", "typical")
     if model.dtype in HALF:
         stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(asked)
-    state.cache = cache_ops.new_cache_like(model, model_kwargs.get("cache"),
+    given = model_kwargs.get("cache")  # the caller's cache=/past_key_values=, or the one generate() made
+    state.cache = cache_ops.new_cache_like(model, runner.cache_for_call(given),
                                            capacity=stopper.max_length + proposer.max_nodes + 64)
+    state.cached, state.carried = _continue_from(given, state, proposer)
+    stats.cached_tokens = state.cached
     # rejection sampling draws from torch's generators: seeded by the call's seed when one was given
     rng = seeded(stats.seed, state.device) if state.do_sample and (seed is not None or generator is not None) \
         else contextlib.nullcontext()
@@ -283,6 +295,9 @@ def speculative_decode(
     if state.coupling is not None:
         stats.noise_seconds, stats.noise_positions = state.coupling.seconds, state.coupling.positions_made
     sequences = rows.finish()
+    cache = state.cache
+    if return_dict or user_defined_cache(given):  # the caller gets the cache back: aligned to the output
+        cache = _hand_back(state, proposer, given, sequences.shape[1])
     stats.total_seconds = time.perf_counter() - t_start
     if not return_dict:
         return sequences
@@ -291,7 +306,7 @@ def speculative_decode(
         sequences=sequences,
         scores=rows.stacked(rows.scores, n_new) if rows.want_scores else None,
         logits=rows.stacked(rows.logits, n_new) if rows.want_logits else None,
-        cache=state.cache,
+        cache=cache,
         speculative_stats=stats.as_dict(),
     )
 
@@ -306,7 +321,9 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)  # [B, P]
     t0 = time.perf_counter()
     padded = any(state.pad_lengths)
-    first_logits, state.hidden_states = target.prefill(input_ids, attention_mask, positions, padded)  # [B, V]
+    # a continued conversation: the columns the cache holds are not fed again (their hidden states are not returned)
+    first_logits, state.hidden_states = target.prefill(input_ids, attention_mask, positions, padded,
+                                                       state.cached)  # [B, V]
     stats.target_forward_passes += 1
     first_scores = state.processors(input_ids, first_logits)
     if stats.sampling == "coupled":
@@ -435,3 +452,48 @@ def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, 
         positions = state.root_positions[:, None] + tree.depths.gather(1, path_nodes)
         tokens = tree.tokens.gather(1, path_nodes)
     state.layout.append(keep, positions, tokens, counts=kept)
+
+
+def _continue_from(given, state: DecodingState, proposer: Proposer) -> tuple[int, object]:
+    """A call given a filled cache (a conversation's next turn, the input the whole conversation): the leading input
+    columns the loop keeps from it (the prefill runs over the rest) and what the proposer handed back with it
+    (:class:`~hf_specdec.cache.Continuation`). None are kept (everything is prefilled again: the same output, a
+    longer prefill) when the cache's layers lack some of them (plain ``generate()``'s sliding-window layers keep their
+    window only) or the proposer cannot continue from them (:meth:`~hf_specdec.proposers.Proposer.can_continue`: a
+    feature drafter given a cache without the target features of its columns)."""
+    held = cache_ops.held_columns(given, state.batch_size, state.prompt_length)
+    if not held:
+        return 0, None
+    record = cache_ops.continuation_of(given, held, state.batch_size)
+    carried = record.carried if record is not None else None
+    if not cache_ops.holds_every_column(given, held) or not proposer.can_continue(carried):
+        return 0, None
+    if cache_ops.continues_in_place(given, state.cache):
+        state.cache = given
+    else:
+        cache_ops.copy_columns(given, state.cache, held)
+    return held, carried
+
+
+def _hand_back(state: DecodingState, proposer: Proposer, given, width: int):
+    """The call's cache as the caller gets it back (``out.cache``; the cache object it passed, filled as
+    ``generate()`` fills it): column ``j`` holds token ``j`` of every row of the ``width``-wide output, for the first
+    ``min(lengths) - 1`` tokens (``generate()`` holds all but the last; a row that stopped early has no columns for its
+    padding here: a next call prefills them), and the :class:`~hf_specdec.cache.Continuation` a next call continues
+    with (what the proposer hands back: :meth:`~hf_specdec.proposers.Proposer.hand_back`)."""
+    length = min(min(state.lengths), width) - 1
+    if state.batch_size == 1:  # one row has no holes: its columns are its tokens already
+        index = torch.arange(length, device=state.device)[None]
+        cache_ops.crop(state.cache, length)
+    else:  # each row's real columns, in order, after its left padding (whose columns hold any real one: masked)
+        order = torch.argsort((~state.layout.valid).to(torch.int8), dim=1, stable=True)  # [B, T] real columns first
+        pads = to_device(state.pad_lengths, state.device)
+        index = order.gather(1, (torch.arange(length, device=state.device)[None] - pads[:, None]).clamp(min=0))
+        cache_ops.gather_columns(state.cache, index)
+    carried = proposer.hand_back(state, index)
+    cache = state.cache
+    if given is not None and given is not cache:
+        cache_ops.hand_over(cache, given)
+        cache = given
+    setattr(cache, cache_ops.RECORD, cache_ops.Continuation(length, state.batch_size, carried))
+    return cache

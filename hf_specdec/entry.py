@@ -145,7 +145,6 @@ class _DecodingMethod:
         else:
             proposer = _build(self.method, model, opts, generation_config)
         runner = _runner(model, loop)
-        kwargs["cache"] = runner.cache_for_call(kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   proposer=proposer, runner=runner, streamer=dropped.get("streamer"),
                                   prompt_streamed=True, **loop, **kwargs)
@@ -208,7 +207,6 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **model_kwargs):
         proposer = _build(method, model, dict(opts), generation_config)
-        model_kwargs["cache"] = runner.cache_for_call(model_kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   proposer=proposer, streamer=streamer, runner=runner, **loop, **model_kwargs)
 

@@ -46,7 +46,8 @@ class TargetSession:
 
     Args:
         runner: the runner that opened it.
-        cache: the target's KV cache for the call (empty; the loop edits it between forwards).
+        cache: the target's KV cache for the call (empty, or holding the columns a continued conversation kept;
+            the loop edits it between forwards).
         hidden_states: ``hidden_states`` indices every forward must return (the proposer's), or ``None``.
         drafters: modules only drafting runs (:meth:`hf_specdec.proposers.Proposer.draft_modules`); a backend may
             give them faster kernels for the call.
@@ -100,24 +101,27 @@ class TargetSession:
                               cache=self.cache, use_cache=True, return_dict=True, **kwargs)
 
     def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.LongTensor, positions: torch.LongTensor,
-                padded: bool | None = None):
+                padded: bool | None = None, past: int = 0):
         """The prompt forward, fed as plain ``generate()`` feeds it (``padded``: whether any row has padding, as
-        the loop knows it; ``None``: read from the mask). Returns ``(logits [B, V] fp32 of the last position,
-        hidden_states or None)``."""
+        the loop knows it; ``None``: read from the mask). ``past``: the cache already holds the first ``past`` columns
+        (a conversation continued from its cache): only the input after them is fed, as ``generate()`` feeds it.
+        Returns ``(logits [B, V] fp32 of the last position, hidden_states of the fed positions or None)``."""
         bsz, length = input_ids.shape
         kwargs = dict(self.forward_kwargs)
         if supports_logits_to_keep(self.model):
             kwargs["logits_to_keep"] = 1
+        new_ids, new_positions = input_ids[:, past:], positions[:, past:]
         if self.static:
-            causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device).tril()[None]
-            mask = build_attention_mask(self.text_config, attention_mask.new_zeros((bsz, 0), dtype=torch.bool),
-                                        positions[:, :0], positions, causal & attention_mask.bool()[:, None, :],
-                                        self.dtype, kv_width=self.kv_width)
+            n = length - past
+            valid = attention_mask.bool()
+            causal = torch.ones(n, n, dtype=torch.bool, device=input_ids.device).tril()[None]
+            mask = build_attention_mask(self.text_config, valid[:, :past], positions[:, :past], new_positions,
+                                        causal & valid[:, None, past:], self.dtype, kv_width=self.kv_width)
         else:
             if padded is None:
                 padded = not bool((attention_mask == 1).all())
             mask = attention_mask if padded else None
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=self.cache,
+        out = self.model(input_ids=new_ids, attention_mask=mask, position_ids=new_positions, cache=self.cache,
                          use_cache=True, return_dict=True, **kwargs)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32), self._hidden(out)
 
@@ -214,9 +218,9 @@ class TargetRunner:
         return self.session_class(self, cache, hidden_states, drafters, rounding)
 
     def cache_for_call(self, cache):
-        """The cache a call hands the loop, which makes a fresh one of its kind
-        (:func:`hf_specdec.cache.new_cache_like`): ``cache`` as given; a runner with static shapes gives a static
-        one (:class:`~hf_specdec.compiled.CompiledRunner`)."""
+        """The kind of cache a call's loop runs with (the loop makes a fresh one of that kind,
+        :func:`hf_specdec.cache.new_cache_like`, and copies into it what the caller's ``cache`` holds): ``cache`` as
+        given; a runner with static shapes gives a static one (:class:`~hf_specdec.compiled.CompiledRunner`)."""
         return cache
 
     def rounding_for(self, rounding: str | None) -> str | None:

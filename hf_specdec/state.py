@@ -32,6 +32,10 @@ class DecodingState:
         layout: the target cache's columns (:class:`~hf_specdec.cache.CacheLayout`); ``root_positions [B]`` the
             position id of each row's root.
         hidden_states: the target hidden states of the last forward (the indices the proposer asked for).
+        cached, carried: a conversation continued from its cache: the target's cache held the first ``cached`` input
+            columns before the prefill, so the prefill's hidden states (in ``begin``) are those of columns
+            ``cached..`` only; ``carried`` is what the proposer handed back with that cache
+            (:meth:`Proposer.hand_back`; ``None`` for a cache without it). ``0`` and ``None`` for a fresh cache.
         tree_logits: ``[B, N, V]`` the target's raw logits at every node of the tree just verified (set before
             :meth:`Proposer.commit`; lookahead decoding harvests n-grams from the nodes that were not kept).
         rules: the call's adaptive rules (:class:`~hf_specdec.adaptive.Rules`; default: every rule on). Proposers
@@ -71,6 +75,7 @@ class DecodingState:
         self.layout: CacheLayout | None = None
         self.cache = None
         self.hidden_states = None
+        self.cached, self.carried = 0, None
         self.tree_logits: torch.Tensor | None = None
         self.processors = logits_processor
         self._roots = None

@@ -108,7 +108,6 @@ def _with_rules(name: str, opts: dict, rules, seen: list | None = None, built: l
 
             proposer.propose = recording
         runner = runner_for(model)
-        model_kwargs["cache"] = runner.cache_for_call(model_kwargs.get("cache"))
         return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
                                   proposer=proposer, runner=runner, adaptive_rules=rules, **model_kwargs)
 

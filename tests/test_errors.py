@@ -147,11 +147,12 @@ def test_row_all_padding(target):
                         custom_generate=hf_specdec.decoding_method("prompt_lookup"))
 
 
-def test_prefilled_cache(target):
+def test_prefilled_cache_as_long_as_the_prompt(target):
+    """A filled cache continues a conversation (tests/test_continuation.py) when the prompt goes on after it."""
     ids, _ = prompts(1, 12)
     cache = DynamicCache()
-    target(ids[:, :5], cache=cache)
-    with pytest.raises(ValueError, match="pre-filled"):
+    target(ids, cache=cache)
+    with pytest.raises(ValueError, match="The cache holds 12 tokens but input_ids has 12: pass the whole conversation"):
         target.generate(ids, **GEN, cache=cache, custom_generate=hf_specdec.decoding_method("prompt_lookup"))
 
 

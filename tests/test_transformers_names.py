@@ -32,7 +32,7 @@ ALLOWED = {ROOT / "hf_specdec" / "_transformers.py", ROOT / "hf_specdec" / "_tra
 # set on instances by transformers (not visible on the classes), or internal without an underscore
 INSTANCE_NAMES = {"_pad_token_tensor", "_eos_token_tensor", "_bos_token_tensor", "_decoder_start_token_tensor",
                   "_attn_implementation_internal", "_experts_implementation_internal", "_name_or_path",
-                  "_weight_conversions", "cumulative_length"}
+                  "_weight_conversions", "cumulative_length", "_is_user_defined", "_mask_length"}
 
 
 def private_attributes() -> set[str]:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from ..adaptive import ALL_ON, Rules
 from ..costs import RecentMinimum
@@ -141,6 +143,22 @@ class Proposer:
     def end(self, state: "DecodingState") -> None:
         """Called once when the generate call finishes."""
 
+    # ---- a conversation continued from its cache (docs/usage.md, "Continued conversations")
+    def can_continue(self, carried) -> bool:
+        """Whether a call can start from a target cache that already holds the first input columns, given
+        ``carried`` (what :meth:`hand_back` returned with that cache, or ``None``): the prefill then runs over the
+        other columns only and ``begin`` finds ``state.cached``/``state.carried`` set. Called after ``prepare``. The
+        default: a proposer that reads no target hidden states rebuilds its state from the token ids. ``False``: the
+        call prefills every column again (the same output)."""
+        return not self.target_hidden_states
+
+    def hand_back(self, state: "DecodingState", index: torch.LongTensor):
+        """Called after ``end`` when the call's cache goes back to the caller: its columns were rebuilt from
+        ``index`` ``[B, C]`` (column ``j`` is now the old column ``index[b, j]``, token ``j`` of the output), as in
+        :meth:`on_compact`. Returns what a later call continuing from that cache needs (:class:`Carried`; it comes
+        back as ``state.carried``), or ``None``."""
+        return None
+
 
 def draft_vocab_ids(state, drafter, size: int) -> torch.LongTensor | None:
     """The target ids of ``drafter``'s vocabulary of ``size`` entries (its ``draft_to_target``), for
@@ -151,6 +169,31 @@ def draft_vocab_ids(state, drafter, size: int) -> torch.LongTensor | None:
     if key not in state.vocab_ids:
         state.vocab_ids[key] = drafter.draft_to_target(torch.arange(size, device=state.device))
     return state.vocab_ids[key]
+
+
+@dataclass
+class Carried:
+    """What a proposer hands back with a call's cache (:meth:`Proposer.hand_back`) for the call that continues from
+    it: ``features [B, C, F]``, the drafter's fused target features of the cache's ``C`` columns (``key`` names them:
+    hidden-state indices and dtype), and ``cache``, the drafter's own KV cache over the first ``synced`` of those
+    columns, which belongs to the module ``drafter`` refers to (a weak reference)."""
+
+    drafter: weakref.ref | None = None
+    cache: object = None
+    synced: int = 0
+    features: torch.Tensor | None = None
+    key: tuple | None = None
+
+    @classmethod
+    def of(cls, drafter, cache, synced: int, **kw) -> "Carried":
+        return cls(drafter=weakref.ref(drafter), cache=cache, synced=synced, **kw)
+
+    def cache_for(self, drafter) -> tuple[object, int]:
+        """``(cache, synced)`` for ``drafter`` to continue with: its own cache, or a fresh one when this is another
+        drafter's."""
+        if self.cache is not None and self.drafter is not None and self.drafter() is drafter:
+            return self.cache, self.synced
+        return DynamicCache(), 0
 
 
 @dataclass

@@ -14,7 +14,7 @@ from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree, build_attention_mask
-from .base import Proposer, next_draft, rules_of
+from .base import Carried, Proposer, next_draft, rules_of
 from .hybrid import HYBRID
 
 CONSTANT_TOKENS = 5  # the draft length of draft_length_schedule="constant" when num_speculative_tokens is not given
@@ -112,6 +112,8 @@ class DraftModelProposer(Proposer):
         self.rules = rules_of(state)
         self.cache = DynamicCache()
         self.synced = 0  # target layout columns already in the drafter cache
+        if state.cached and isinstance(state.carried, Carried):  # a continued conversation: this drafter's cache
+            self.cache, self.synced = state.carried.cache_for(self.drafter)
         self.fed = 0  # columns the drafter added beyond `synced` in the last propose
         self.tree = None  # the tree of the last propose
         self.estimator = AcceptanceEstimator(prior_alpha=0.6, prior_weight=3.0, decay=0.9)
@@ -230,6 +232,10 @@ class DraftModelProposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0
         self.fed = 0
+
+    def hand_back(self, state, index) -> Carried:
+        """The drafter cache over the leading columns of the handed-back cache it holds."""
+        return Carried.of(self.drafter, self.cache, cache_ops.kept_mirror(self.cache, self.synced, index))
 
 
 def _build(target, opts) -> DraftModelProposer:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .. import cache as cache_ops
 from ..costs import best_count
 from ..syncs import to_device
 from ..tree import additive_mask, build_attention_mask
-from .base import BackOff, Proposer, rules_of
+from .base import BackOff, Carried, Proposer, rules_of
 
 
 class FeatureDrafterProposer(Proposer):
@@ -58,6 +59,26 @@ class FeatureDrafterProposer(Proposer):
         self.cache = DynamicCache()
         self.synced = 0
         self.features = self._fuse(state.hidden_states)  # [B, T, F]: one fused feature per layout column
+        if state.cached:  # a continued conversation: the features of the cached columns came with the cache
+            carried = state.carried
+            self.features = torch.cat([carried.features.to(self.device, self.dtype), self.features], dim=1)
+            self.cache, self.synced = carried.cache_for(self.drafter)
+
+    # ---- a conversation continued from its cache
+    def _feature_key(self) -> tuple:
+        return tuple(self.target_hidden_states), self._drafter_weight().dtype
+
+    def can_continue(self, carried) -> bool:
+        """Only with the target features of the cached columns (a cache this kind of drafter handed back): from a
+        cache without them the call prefills every column again, which gives the features."""
+        return isinstance(carried, Carried) and carried.features is not None and carried.key == self._feature_key()
+
+    def hand_back(self, state, index) -> Carried:
+        """The features of the cache's columns, and the drafter cache over those it holds (its row of the last column
+        is left out: its next token is the next call's)."""
+        features = self.features.gather(1, index.to(self.device)[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        synced = cache_ops.kept_mirror(self.cache, self.synced, index.to(self.device)[:, :-1])
+        return Carried.of(self.drafter, self.cache, synced, features=features, key=self._feature_key())
 
     def _start(self, state) -> None:
         """What every call starts with: the call's adaptive rules, the drafter's device and dtype, a fresh back-off."""

@@ -136,6 +136,13 @@ class HybridProposer(Proposer):
         self.model.on_compact(state, index)
         self.lookup.on_compact(state, index)
 
+    def can_continue(self, carried) -> bool:
+        return self.model.can_continue(carried) and self.lookup.can_continue(None)
+
+    def hand_back(self, state, index):
+        self.lookup.hand_back(state, index)
+        return self.model.hand_back(state, index)
+
     def end(self, state) -> None:
         self.model.end(state)
         self.lookup.end(state)

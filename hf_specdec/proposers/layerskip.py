@@ -33,7 +33,7 @@ from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
 from ..tree import DraftTree, Resume, build_attention_mask
-from .base import Proposer, next_draft, rules_of
+from .base import Carried, Proposer, next_draft, rules_of
 
 CONSTANT_TOKENS = 4  # draft_length_schedule="constant" when num_speculative_tokens is not given
 MAX_TOKENS = 10  # the longest draft the adaptive length may choose
@@ -118,13 +118,30 @@ class LayerSkipProposer(Proposer):
         self.prior_cost = self.early_share + (0.05 if self.adapter is None else 0.1)
         self.fed = 0
         if self.adapter is not None:
-            self.adapter_cache = DynamicCache()
             self.adapter_dtype = self.adapter.norm.weight.dtype
+            # a continued conversation: the adapter's keys/values of the cached columns came with the cache
+            self.adapter_cache = state.carried.cache_for(self.adapter)[0] if state.cached else DynamicCache()
             self._feed_prompt(state)
 
     def _feed_prompt(self, state) -> None:
-        """The adapter's keys/values of the prompt, from the prefill's exit hidden states."""
-        self._feed_adapter(state, state.hidden_states[self.exit_layer], 0)
+        """The adapter's keys/values of the prompt (after the columns a continued conversation kept), from the
+        prefill's exit hidden states."""
+        self._feed_adapter(state, state.hidden_states[self.exit_layer], state.cached)
+
+    # ---- a conversation continued from its cache
+    def can_continue(self, carried) -> bool:
+        """Without an adapter the early layers' keys/values are the target cache's own; the adapter needs its cache
+        of the cached columns (handed back by a call with this adapter): else every column is prefilled again."""
+        if self.adapter is None:
+            return True
+        return isinstance(carried, Carried) and carried.drafter is not None and carried.drafter() is self.adapter \
+            and carried.key == ("exit", self.exit_layer)
+
+    def hand_back(self, state, index):
+        if self.adapter is None:
+            return None
+        synced = cache_ops.kept_mirror(self.adapter_cache, state.layout.length, index)
+        return Carried.of(self.adapter, self.adapter_cache, synced, key=("exit", self.exit_layer))
 
     def _feed_adapter(self, state, exits, start: int) -> None:
         """Feed the adapter the exit states ``exits [B, n, H]`` of the layout's last ``n`` columns (from ``start``):

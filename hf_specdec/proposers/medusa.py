@@ -128,8 +128,8 @@ class MedusaProposer(FeatureDrafterProposer):
                              "always exact. Drop acceptance= or pass do_sample=True.")
         self._start(state)
         self._worth = None
-        hidden = self._fuse(state.hidden_states)  # [B, T, H]: the final hidden state of every prompt column
-        last = state.layout.last_real().clamp(min=0).to(hidden.device)
+        hidden = self._fuse(state.hidden_states)  # [B, T, H]: the final hidden state of every prefilled column
+        last = (state.layout.last_real() - state.cached).clamp(min=0).to(hidden.device)
         self.last = hidden.gather(1, last[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]  # [B, H]
 
     def commit(self, state, tree, result) -> None:
@@ -142,6 +142,12 @@ class MedusaProposer(FeatureDrafterProposer):
 
     def on_compact(self, state, index) -> None:
         pass  # the heads keep no per-column state
+
+    def can_continue(self, carried) -> bool:
+        return True  # the heads read the last column's hidden state only: the prefill gives it
+
+    def hand_back(self, state, index) -> None:
+        return None
 
     # ---- drafting
     def propose(self, state):
