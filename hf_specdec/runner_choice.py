@@ -20,7 +20,8 @@ from .runners import KERNELS_ENV, TargetRunner, kept_runner
 
 
 def runner_for(model, kernels: bool | None = None, compile: bool = False) -> TargetRunner:
-    """The runner for ``model``: :class:`~hf_specdec.kernels.CpuKernelRunner` for a model on the CPU, else
+    """The runner for ``model``: :class:`~hf_specdec.kernels.CpuKernelRunner` for a model on the CPU whose weights
+    are plain dense tensors (a quantized one keeps its own forward, said once in a log line), else
     :class:`~hf_specdec.runners.TargetRunner`; ``kernels=False`` (or ``HF_SPECDEC_VERIFY_KERNELS=0`` when
     ``kernels`` is ``None``, read here, at the entry point) takes the plain runner everywhere; ``compile=True`` (the
     ``compile`` option) takes :class:`~hf_specdec.compiled.CompiledRunner` on any device. One runner per model and
