@@ -10,9 +10,10 @@ backend whose package is absent is skipped.
 
 Also: which runner a quantized target gets (the model's own forward, said once), quantized drafters (a draft model and
 an EAGLE-3 drafter quantized with torchao's ``quantize_``, LM heads included) under the CPU kernel runner of a dense
-target, and the values read from quantized layers.
+target, the values read from quantized layers, and ``hf-specdec bench --quantize``.
 """
 
+import json
 import logging
 
 import pytest
@@ -23,7 +24,7 @@ from hf_specdec import quantization, registry
 from hf_specdec.kernels import CpuKernelRunner, plain_cpu_linears
 from hf_specdec.runner_choice import runner_for
 from hf_specdec.runners import TargetRunner
-from tiny import OWN_TARGETS, prompts, tiny_drafter, tiny_model
+from tiny import OWN_TARGETS, prompts, tiny_drafter, tiny_model, word_tokenizer
 
 HIDDEN = 64  # bitsandbytes' 4-bit blocks are 64 wide
 LAYERS = 3
@@ -193,3 +194,37 @@ def test_quantization_names_and_errors(monkeypatch):
 
 class _Sub(torch.Tensor):
     """A tensor subclass (as quantized weights are)."""
+
+
+def test_cli_bench_quantize(tmp_path, monkeypatch):
+    """``hf-specdec bench --quantize torchao-int8``: the target loads quantized (through from_pretrained's
+    quantization_config), the same target unquantized in float32 runs stock generate() as 'plain_fp32', the JSON
+    records the quantization, the table says it, and the outputs are compared with the quantized target's own (no
+    mismatch: exit status 0). Plumbing only: nothing is timed."""
+    pytest.importorskip("torchao")
+    from hf_specdec import cli
+    from hf_specdec.bench import run as bench_run
+
+    tiny_model("llama", layers=LAYERS, hidden=HIDDEN).save_pretrained(tmp_path / "m")
+    tok = word_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'][:40] }}{% endfor %}"
+    tok.save_pretrained(tmp_path / "m")
+    seen = []
+    monkeypatch.setattr("hf_specdec.bench.run_bench", lambda model, tok, methods, *a, **kw: seen.append(
+        (quantization.not_dense(model), [(m.name, m.model) for m in methods])) or bench_run.run_bench(
+            model, tok, methods, *a, **kw, curve_sizes=[1, 2], count_syncs=False))  # less to run: nothing is timed
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--target", str(tmp_path / "m"), "--quantize", "torchao-int8", "--methods",
+                     "prompt_lookup", "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
+                     "--out", str(out)]) == 0
+    (reason, methods), = seen
+    assert reason.startswith("it is quantized (torchao")
+    fp32 = dict(methods)["plain_fp32"]
+    assert fp32.dtype == torch.float32 and quantization.not_dense(fp32) is None
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["config"]["quantize"] == "torchao-int8"
+    assert {r["method"] for r in saved["summary"]} == {"plain", "prompt_lookup", "plain_fp32"}
+    assert all(r["mismatches"] == 0 and "speedup_vs_fp32" in r for r in saved["summary"])
+    assert "Quantized target (torchao-int8)" in (out / "bench.md").read_text()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--quantize", "int3"])
