@@ -37,11 +37,9 @@ plain decoding except where two logits tie to the last bit.
 from __future__ import annotations
 
 import contextlib
-import logging
 import statistics
 import threading
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -49,17 +47,15 @@ import torch.nn.functional as F
 from ._transformers import attention_implementation, switch_attention
 from .costs import _CPU_HALF_PRIOR, _CPU_PRIOR
 from .dtypes import HALF
-from .quantization import not_dense, plain_dense
+from .quantization import not_dense, plain_dense, say_once
 from .runners import TargetRunner, TargetSession, device_type_of, kept_runner
 
-logger = logging.getLogger("hf_specdec")
 ATTN_NAME = "hf_specdec_packed_sdpa"
 _MAX_ROWS = 32
 _MAX_EXACT_ROWS = 256
 _TRIALS = 7  # timed calls of each product per shape before the faster is kept
 _CHECK_ROWS = 64  # rows a product must give one-row bits for (half precision, _LinearChoice._rounding)
 _CHECK_CALLS = 8  # rounding="exact": real calls per shape also checked row by row (_LinearChoice._checked)
-_SAID: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> why the kernels left it (logged once)
 
 
 class _LinearChoice:
@@ -503,11 +499,10 @@ class CpuKernelRunner(TargetRunner):
         if device_type_of(model) != "cpu":
             return False
         reason = not_dense(model)
-        if reason is not None and _SAID.get(model) != reason:
-            _SAID[model] = reason
-            logger.warning(f"hf_specdec: the CPU verification kernels leave {type(model).__name__} to its own "
-                           f"forward: {reason}, and they multiply only plain dense weights. Outputs are the same; "
-                           "see docs/quantization.md.")
+        if reason is not None:
+            say_once(model, f"hf_specdec: the CPU verification kernels leave {type(model).__name__} to its own "
+                            f"forward: {reason}, and they multiply only plain dense weights. Outputs are the same; "
+                            "see docs/quantization.md.")
         return reason is None
 
     @property

@@ -11,7 +11,10 @@ buffers (GPTQ's and AWQ's ``qweight``), or layer classes of their own. The libra
   a drafter whose weights are plain dense;
 * reads a quantized weight's values, where a drafter needs them (the target's LM head rows of an EAGLE-3 drafter, a
   draft model sharing the target's embeddings), through the layer itself (:func:`dense_weight`): a linear layer's
-  weight is its output for the identity matrix, less its bias; an embedding's is its output for every id.
+  weight is its output for the identity matrix, less its bias; an embedding's is its output for every id;
+* says once per model (:func:`say_once`, from :func:`hf_specdec.runner_choice.runner_for`) where a quantization
+  computes a token depending on the other tokens of its forward (:func:`rows_interact`: bitsandbytes' LLM.int8()),
+  so that the output equals the model's own greedy decoding only up to rounding.
 
 Which backends were run and measured, and what is untested: docs/quantization.md.
 
@@ -26,7 +29,13 @@ Example::
 
 from __future__ import annotations
 
+import logging
+import weakref
+
 import torch
+
+logger = logging.getLogger("hf_specdec")
+_SAID: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the notes logged for it (say_once)
 
 # the quantizations `hf-specdec bench --quantize` (and the tests) load a target with: name -> what it is
 QUANTIZATIONS = {
@@ -104,6 +113,42 @@ def not_dense(model) -> str | None:
     method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
     method = getattr(method, "value", method) or type(quantized).__name__
     return f"it is quantized ({method}" + (f"; {layer}" if layer else "") + ")"
+
+
+def rows_interact(model) -> str | None:
+    """Why ``model``'s quantized layers may compute a token depending on the other tokens of the same forward, in
+    words (``None``: not that we know of). bitsandbytes' LLM.int8() (``load_in_8bit`` with ``llm_int8_threshold > 0``,
+    6.0 by default) computes in float16 the input columns where *any* row has an outlier, so a verification over
+    several tokens can round a token otherwise than its one-token step: the output equals the model's own greedy
+    decoding only up to that rounding. ``llm_int8_threshold=0.0`` computes every row on its own.
+
+    Example::
+
+        >>> rows_interact(torch.nn.Linear(4, 4)) is None
+        True
+    """
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(config, dict):
+        eight_bit, threshold = config.get("load_in_8bit"), config.get("llm_int8_threshold", 6.0)
+    else:
+        eight_bit, threshold = getattr(config, "load_in_8bit", False), getattr(config, "llm_int8_threshold", 6.0)
+    if eight_bit and (threshold or 0) > 0:
+        return (f"bitsandbytes' LLM.int8() (llm_int8_threshold={threshold}) computes the columns where any token of a "
+                "forward has an outlier in float16, so a verification of several tokens can round a token otherwise "
+                "than the model's one-token step: the output equals its own greedy decoding up to that rounding; "
+                "BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0) computes every token on its own")
+    return None
+
+
+def say_once(model, note: str) -> None:
+    """Log ``note`` (a warning of the ``hf_specdec`` logger) the first time it is said of ``model``."""
+    try:
+        said = _SAID.setdefault(model, set())
+    except TypeError:  # not weak-referenceable: nothing kept, said each time
+        said = set()
+    if note not in said:
+        said.add(note)
+        logger.warning(note)
 
 
 def _first_quantized_layer(model) -> str | None:

@@ -8,9 +8,10 @@ to the quantized target. Coverage, kept to about a minute on 2 cores: every meth
 kernel path's default; assisted: a draft model; eagle3: a drafter reading the target's LM head and features). A
 backend whose package is absent is skipped.
 
-Also: which runner a quantized target gets (the model's own forward, said once), quantized drafters (a draft model and
-an EAGLE-3 drafter quantized with torchao's ``quantize_``, LM heads included) under the CPU kernel runner of a dense
-target, the values read from quantized layers, and ``hf-specdec bench --quantize``.
+Also: which runner a quantized target gets (the model's own forward, said once), LLM.int8()'s outlier columns (a
+token computed by its neighbours' outliers, said once; not with ``llm_int8_threshold=0.0``), quantized drafters (a
+draft model and an EAGLE-3 drafter quantized with torchao's ``quantize_`` or quanto's, LM heads included) under the
+CPU kernel runner of a dense target, the values read from quantized layers, and ``hf-specdec bench --quantize``.
 """
 
 import json
@@ -102,6 +103,32 @@ def test_a_quantized_target_keeps_its_own_forward_said_once(folders, caplog):
     assert plain_cpu_linears(target) == [target.lm_head]  # the head transformers leaves unquantized: dense
     dense = tiny_model("llama", layers=LAYERS, hidden=HIDDEN)
     assert isinstance(runner_for(dense), CpuKernelRunner) and quantization.not_dense(dense) is None
+
+
+def test_bitsandbytes_int8_outlier_columns_are_said(folders, caplog):
+    """LLM.int8() with its default threshold computes the input columns where any row of a forward has an outlier in
+    float16: a row's output depends on the other rows (so a verification may round a token otherwise than its
+    one-token step), said once per model; ``llm_int8_threshold=0.0`` computes each row on its own."""
+    _needs("bnb-int8")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    def load(**kw):
+        return AutoModelForCausalLM.from_pretrained(folders["target"], quantization_config=BitsAndBytesConfig(
+            load_in_8bit=True, **kw))
+
+    default, zero = load(), load(llm_int8_threshold=0.0)
+    with caplog.at_level(logging.WARNING, logger="hf_specdec"):
+        runner_for(default), runner_for(default), runner_for(zero)
+    said = [r.getMessage() for r in caplog.records if "LLM.int8()" in r.getMessage()]
+    assert len(said) == 1 and "llm_int8_threshold=6.0" in said[0] and "llm_int8_threshold=0.0" in said[0], said
+    assert quantization.rows_interact(zero) is None
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0))
+    x[1, 5] = 20.0  # an outlier in another row
+    for model, independent in ((default, False), (zero, True)):
+        layer = model.model.layers[0].self_attn.q_proj
+        with torch.no_grad():
+            assert torch.equal(layer(x[:1]), layer(x)[:1]) is independent
+    _same_as_own_greedy(zero, {})
 
 
 def test_torchao_quantize_without_transformers_is_found_by_its_weights(folders):
