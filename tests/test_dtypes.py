@@ -8,7 +8,7 @@ import torch
 
 import hf_specdec
 from hf_specdec import cli, dtypes, registry
-from tiny import VOCAB, one_thread, prompts, tiny_model, word_tokenizer
+from tiny import OWN_TARGETS, one_thread, prompts, tiny_drafter, tiny_model, word_tokenizer
 
 LAYERS = 3
 NEW = 8
@@ -62,37 +62,6 @@ def test_unknown_dtypes_are_refused_with_the_choices():
 
 
 # -------------------------------------------------------------------------------------- every method in bf16
-def _drafter(name: str, target):
-    """A small fp32 drafter of ``name`` for ``target`` (a tiny Llama of LAYERS layers)."""
-    from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
-    from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
-    from hf_specdec.modeling.layerskip import ExitAdapter, ExitAdapterConfig
-    from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
-    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, block_config_for
-
-    torch.manual_seed(0)
-    if name in ("assisted", "auto"):  # auto: transformers' assistant_model= (method assisted)
-        return tiny_model("llama", seed=9, layers=1)
-    if name == "eagle3":
-        return Eagle3Drafter(Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                          num_key_value_heads=2, vocab_size=VOCAB, num_target_layers=LAYERS))
-    if name == "dflash":
-        return DFlashDrafter(DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB,
-                                          block_size=4, mask_token_id=VOCAB - 1, target_layer_ids=[0, 1],
-                                          num_target_layers=LAYERS))
-    if name == "medusa":
-        return MedusaHeads(MedusaConfig(hidden_size=32, vocab_size=VOCAB, medusa_num_heads=2))
-    if name == "layerskip":
-        config = ExitAdapterConfig(exit_layer=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=8, intermediate_size=16, vocab_size=VOCAB, num_target_layers=LAYERS)
-        return ExitAdapter(config).init_from_target(target, torch.arange(VOCAB))
-    if name == "mtp":
-        return MTPModule(MTPConfig(block_config=block_config_for(target.config, 1), vocab_size=VOCAB,
-                                   num_target_layers=LAYERS))
-    raise AssertionError(f"no test drafter for the method {name!r}: add one to tests/test_dtypes.py")
-
-
 @pytest.fixture(scope="module")
 def bf16_target_and_folders(tmp_path_factory):
     """A bf16 tiny target and, per method with a drafter, a folder of a drafter saved in float32."""
@@ -101,13 +70,9 @@ def bf16_target_and_folders(tmp_path_factory):
     folders = {}
     for m in registry.methods():
         if m.drafter is not None and m.name not in OWN_TARGETS:
-            _drafter(m.name, target).save_pretrained(root / m.name)
+            tiny_drafter(m.name, target).save_pretrained(root / m.name)
             folders[m.name] = str(root / m.name)
     return target.to(torch.bfloat16), folders
-
-
-OWN_TARGETS = {"gemma4_assistant": "a Gemma 4 target (tests/test_gemma4_assistant.py)",
-               "universal": "two tokenizers (tests/test_universal.py)"}  # methods this Llama target cannot run
 
 
 @pytest.mark.parametrize("method", [m.name for m in registry.methods() if m.name not in OWN_TARGETS])

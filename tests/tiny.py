@@ -111,3 +111,42 @@ def prompts(batch: int = 1, length: int = 10, seed: int = 1, pad: bool = True, r
         ids[b, width - len(r):] = r
         mask[b, width - len(r):] = 1
     return ids, mask
+
+
+# methods a tiny Llama target cannot run (their tests build their own targets)
+OWN_TARGETS = {"gemma4_assistant": "a Gemma 4 target (tests/test_gemma4_assistant.py)",
+               "universal": "two tokenizers (tests/test_universal.py)"}
+
+
+def tiny_drafter(method: str, target):
+    """A small fp32 drafter of ``method`` for ``target`` (a tiny Llama of :func:`tiny_model`, any width and depth);
+    ``assisted`` and ``auto`` (transformers' ``assistant_model=``): a one-layer draft model of the same vocabulary."""
+    from hf_specdec.modeling.dflash import DFlashConfig, DFlashDrafter
+    from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
+    from hf_specdec.modeling.layerskip import ExitAdapter, ExitAdapterConfig
+    from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
+    from hf_specdec.modeling.mtp import MTPConfig, MTPModule, block_config_for
+
+    cfg = target.config
+    hidden, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    torch.manual_seed(0)
+    if method in ("assisted", "auto"):
+        return tiny_model("llama", seed=9, layers=1, vocab=vocab, hidden=hidden)
+    if method == "eagle3":
+        return Eagle3Drafter(Eagle3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4,
+                                          num_key_value_heads=2, vocab_size=vocab, num_target_layers=layers))
+    if method == "dflash":
+        return DFlashDrafter(DFlashConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab,
+                                          block_size=4, mask_token_id=vocab - 1, target_layer_ids=[0, 1],
+                                          num_target_layers=layers))
+    if method == "medusa":
+        return MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, medusa_num_heads=2))
+    if method == "layerskip":
+        config = ExitAdapterConfig(exit_layer=1, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+                                   head_dim=8, intermediate_size=16, vocab_size=vocab, num_target_layers=layers)
+        return ExitAdapter(config).init_from_target(target, torch.arange(vocab))
+    if method == "mtp":
+        return MTPModule(MTPConfig(block_config=block_config_for(target.config, 1), vocab_size=vocab,
+                                   num_target_layers=layers))
+    raise AssertionError(f"no test drafter for the method {method!r}: add one to tests/tiny.py (tiny_drafter)")

@@ -35,7 +35,8 @@ def markdown(result: dict) -> str:
     """The summary as a markdown table, then the forward-cost curve (and the memory check, when it ran).
 
     A column appears when any row has it (``vs plain_kernels`` when ``plain_kernels`` ran, ``vs fp32 stock`` when
-    ``plain_fp32`` ran, ``match`` for a half-precision target); with
+    ``plain_fp32`` ran, ``match`` for a half-precision target; a line naming the quantization of a quantized target,
+    ``config["quantize"]``); with
     ``background_load="both"`` the loaded figures of τ, proposed drafts, tok/s, the speedups and mismatches stand
     right after their quiet ones ("τ loaded", ...).
     """
@@ -58,6 +59,12 @@ def markdown(result: dict) -> str:
                      "speculative_stats['exact_bits']; yes: identical by construction, not by chance)"
                      + ("; vs fp32 stock: the speedup over stock generate() on the float32 target (plain_fp32)."
                         if any("speedup_vs_fp32" in r for r in summary) else "."))
+    quantize = (result.get("config") or {}).get("quantize")
+    if quantize:
+        lines.append("")
+        lines.append(f"Quantized target ({quantize}): plain and every method ran on it, compared with its own plain "
+                     "generate()" + ("; vs fp32 stock: the speedup over stock generate() on the unquantized float32 "
+                                     "target (plain_fp32)." if any("speedup_vs_fp32" in r for r in summary) else "."))
     mode = (result.get("background_load") or {}).get("mode", "off")
     if mode != "off":
         lines.append("")

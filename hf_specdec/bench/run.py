@@ -18,12 +18,15 @@ rounding (on a CPU one row's verification rounds as one-token steps where the ke
 :class:`hf_specdec.kernels.CpuKernelRunner`; a batch's rows, and other devices, may round differently), so a
 mismatch there is a *match rate*, not an error; and the same target in float32 runs stock greedy ``generate()`` on
 every prompt as one more baseline, ``plain_fp32`` (:func:`~hf_specdec.bench.methods.fp32_baseline`; its own model, in
-the same rotating order), so that every method gets its speedup over what float32 gives.
+the same rotating order), so that every method gets its speedup over what float32 gives. A quantized target
+(``hf-specdec bench --quantize torchao-int8``, docs/quantization.md) gets the same ``plain_fp32`` baseline (the target
+unquantized); its outputs are compared with its own plain ``generate()``, as a float32 target's are.
 
 JSON schema (``schema: "hf_specdec.bench/1"``):
 
 * ``machine``: platform, cpu count, torch / transformers versions, device
-* ``config``: the command-line options (``dtype``: the target's dtype as it ran, float32 after a fallback)
+* ``config``: the command-line options (``dtype``: the target's dtype as it ran, float32 after a fallback;
+  ``quantize``: the quantization the target was loaded with, or ``null``)
 * ``cost_curve_ms``: ``{q: median milliseconds of a target forward over q new tokens, ~256-token cache}``, as the
   loop runs it (CPU verification kernels on for q >= 2 unless turned off); ``cost_curve_model_kernels_ms``: the same
   with the model's own kernels (CPU only)

@@ -7,6 +7,7 @@ import argparse
 
 from .. import registry
 from ..dtypes import DTYPES
+from ..quantization import QUANTIZATIONS
 from .common import CPU_HELP, HALF_HELP, _drafter_methods, _load_model, _positive_int, _split_methods
 
 
@@ -83,6 +84,10 @@ def add_commands(add) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="the target's dtype (drafters follow it; not float32: the same target in float32 runs stock "
                         f"generate() as 'plain_fp32', and {HALF_HELP}); {CPU_HELP}")
+    p.add_argument("--quantize", default=None, choices=list(QUANTIZATIONS), metavar="Q",
+                   help="load the target quantized, through from_pretrained's quantization_config (its package "
+                        f"installed): {', '.join(QUANTIZATIONS)}; drafters stay unquantized, and the same target "
+                        "unquantized in float32 runs stock generate() as 'plain_fp32' (docs/quantization.md)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N, or auto (Accelerate places the model)")
     p.add_argument("--out", default="bench_out", metavar="FOLDER",
                    help="output folder: bench.json, bench.md, bench.csv, *.png")
@@ -103,7 +108,7 @@ def _bench(args) -> int:
     from ..default_model import MODEL_ID
     from ..dtypes import dtype_name
 
-    model, tok = _load_model(args.target, args.dtype, args.device)
+    model, tok = _load_model(args.target, args.dtype, args.device, quantize=args.quantize)
     drafters = {}
     for flag, method in _drafter_methods():
         source = getattr(args, flag, None)
@@ -113,7 +118,7 @@ def _bench(args) -> int:
             drafters[flag] = registry.load_drafter(method, str(source), model)  # in the target's dtype
     methods = build_methods(args.methods, **drafters)
     exact = model.dtype == torch.float32  # half precision: outputs identical up to rounding, a match rate
-    if not exact:  # the same target in float32, stock generate(): what half precision buys
+    if not exact or args.quantize:  # the same target in float32, stock generate(): what half precision buys
         methods.append(fp32_baseline(_load_model(args.target, "float32", args.device)[0]))
     config = vars(args) | {"func": None, "dtype": dtype_name(model.dtype)}  # the dtype that ran (after a fallback)
     common = dict(drafter=drafters.get("drafter"), config=config, seed=args.seed,

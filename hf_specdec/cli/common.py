@@ -64,24 +64,32 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _load_model(path, dtype, device):
+def _load_model(path, dtype, device, quantize: str | None = None):
+    """``(model in eval mode, tokenizer)`` of ``path`` (``None``: the embedded SmolLM2) in ``dtype`` on ``device``;
+    ``quantize``: a name of :data:`hf_specdec.quantization.QUANTIZATIONS`, loaded through ``from_pretrained``'s
+    ``quantization_config`` and placed by its ``device_map`` (a quantized model is not moved afterwards)."""
     import torch
 
     from ..dtypes import resolve_dtype
 
     dtype = resolve_dtype(dtype, device)
+    kwargs = {}
+    if quantize is not None:
+        from ..quantization import quantization_config
+
+        kwargs = {"quantization_config": quantization_config(quantize), "device_map": device}
     if path is None:
         from ..default_model import load_smollm2
 
-        model, tok = load_smollm2(dtype=dtype, device=None if device == "auto" else device)
-        if device == "auto" and torch.cuda.is_available():
+        model, tok = load_smollm2(dtype=dtype, device=None if device == "auto" or kwargs else device, **kwargs)
+        if device == "auto" and torch.cuda.is_available() and not kwargs:
             model = model.to("cuda")
         return model, tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"device_map": "auto"} if device == "auto" else {}
+    kwargs = kwargs or ({"device_map": "auto"} if device == "auto" else {})
     model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, **kwargs)
-    if device != "auto":
+    if "device_map" not in kwargs:
         model = model.to(device)
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"

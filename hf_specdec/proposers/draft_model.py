@@ -12,6 +12,7 @@ from .. import identity
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
+from ..placement import materialized
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..tree import DraftTree, build_attention_mask
 from .base import Carried, Proposer, next_draft, rules_of
@@ -54,12 +55,13 @@ def restricted_head(drafter, vocab) -> tuple[torch.nn.Linear, torch.Tensor]:
     if vocab.numel() == 0 or int(vocab[0]) < 0 or int(vocab[-1]) >= head.out_features:
         raise ValueError(f"draft_vocab must be non-empty token ids in [0, {head.out_features}) (the drafter's "
                          f"vocabulary), got {vocab.tolist()[:3]}...{vocab.tolist()[-3:]}.")
-    sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=head.bias is not None,
-                          device=head.weight.device, dtype=head.weight.dtype)
+    weight, bias = materialized(head, "weight"), materialized(head, "bias")  # a quantized head: its values
+    sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=bias is not None, device=weight.device,
+                          dtype=weight.dtype)
     with torch.no_grad():
-        sub.weight.copy_(head.weight[vocab.to(head.weight.device)])
-        if head.bias is not None:
-            sub.bias.copy_(head.bias[vocab.to(head.weight.device)])
+        sub.weight.copy_(weight[vocab.to(weight.device)])
+        if bias is not None:
+            sub.bias.copy_(bias[vocab.to(weight.device)])
     return sub.requires_grad_(False), vocab
 
 
