@@ -18,6 +18,7 @@ The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :fu
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from typing import Callable
@@ -26,6 +27,7 @@ import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from . import registry
+from .coupling import seed_first
 from .engine import speculative_decode
 from ._transformers import generation_defaults
 from ._transformers_frames import (calling_generate_arguments, generate_arguments_in_flight, tokenizers_in_flight,
@@ -81,6 +83,22 @@ def _runner(model, loop: dict):
     """The call's target runner (:func:`~hf_specdec.runner_choice.runner_for`); pops the ``compile`` option from ``loop``,
     which chooses the compiled runner."""
     return runner_for(model, compile=bool(loop.pop("compile", False)))
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop: dict,
+            **kwargs):
+    """One call of the loop from a decoding callable: its seed drawn first (:func:`~hf_specdec.coupling.seed_first`:
+    before the proposer is built, a drafter loaded in the call initialised, or anything else drawn, so under
+    ``torch.manual_seed`` every method samples with ``plain``'s seed), then the proposer (``proposer``: a
+    :class:`~hf_specdec.proposers.Proposer`, or a function that builds one), the runner and the loop."""
+    loop = dict(loop)
+    config = generation_config if generation_config is not None else model.generation_config
+    with seed_first(model, bool(config.do_sample), loop.pop("seed", None), loop.pop("generator", None)) as seed:
+        proposer = proposer if isinstance(proposer, Proposer) else proposer()
+        runner = _runner(model, loop)
+        kwargs["cache"] = runner.cache_for_call(kwargs.get("cache"))
+        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  proposer=proposer, runner=runner, seed=seed, **loop, **kwargs)
 
 
 class _DecodingMethod:
@@ -143,12 +161,9 @@ class _DecodingMethod:
                                  f"({self.label}); configure the proposer itself.")
             proposer = self.fixed
         else:
-            proposer = _build(self.method, model, opts, generation_config)
-        runner = _runner(model, loop)
-        kwargs["cache"] = runner.cache_for_call(kwargs.get("cache"))
-        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, runner=runner, streamer=dropped.get("streamer"),
-                                  prompt_streamed=True, **loop, **kwargs)
+            proposer = functools.partial(_build, self.method, model, opts, generation_config)
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop,
+                       streamer=dropped.get("streamer"), prompt_streamed=True, **kwargs)
 
 
 def decoding_method(method, **defaults) -> Callable:
@@ -204,13 +219,11 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
     loop = _split_loop_options(opts)
     record.resolve(dict(opts))  # option errors before generate() runs; the proposer is built with the call's config
-    runner = _runner(model, loop)
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **model_kwargs):
-        proposer = _build(method, model, dict(opts), generation_config)
-        model_kwargs["cache"] = runner.cache_for_call(model_kwargs.get("cache"))
-        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, streamer=streamer, runner=runner, **loop, **model_kwargs)
+        proposer = functools.partial(_build, method, model, dict(opts), generation_config)
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop,
+                       streamer=streamer, **model_kwargs)
 
     return model.generate(
         inputs,
