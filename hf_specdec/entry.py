@@ -9,8 +9,8 @@ Three ways, one code path, every method and option read from the registry (:mod:
   :func:`generate_with_method` takes out what belongs to the method and calls ``model.generate`` again with a
   decoding callable, so transformers still prepares everything (generation config, processors, stopping criteria).
 * ``model.generate(..., custom_generate=hf_specdec.decoding_method("prompt_lookup"), ...)`` — a Python callable.
-  transformers keeps ``streamer``/``assistant_model`` from a callable: they are recovered from the calling
-  ``generate()`` (:class:`_DecodingMethod`).
+  transformers keeps ``streamer``/``assistant_model``/``tokenizer`` from a callable: they are recovered from the
+  calling ``generate()`` (:class:`_DecodingMethod`).
 * the same from ``pipeline("text-generation", ...)(prompt, custom_generate=..., trust_remote_code=True, ...)``.
 
 The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :func:`~hf_specdec.runner_choice.runner_for`.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 from typing import Callable
 
 import torch
@@ -30,8 +29,8 @@ from . import registry
 from .coupling import seed_first
 from .engine import speculative_decode
 from ._transformers import generation_defaults
-from ._transformers_frames import (calling_generate_arguments, generate_arguments_in_flight, tokenizers_in_flight,
-                                   unused_generate_arguments)
+from ._transformers_frames import (TOKENIZERS, calling_generate_arguments, generate_arguments_in_flight,
+                                   hand_tokenizers_on, unused_generate_arguments)
 from .folders import custom_generate_path
 from .proposers import Proposer
 from .proposers.build import build_proposer
@@ -105,10 +104,12 @@ class _DecodingMethod:
     """The callable :func:`decoding_method` returns (``model.generate(custom_generate=...)``).
 
     transformers hands a decoding callable only the ``generate()`` arguments its signature names, checks every other
-    one against the model, and drops ``streamer`` and ``assistant_model``. So its signature names every method option
-    (those of other methods too, so that a misplaced one gets the error naming its method) and, while ``generate()``
-    sorts its arguments, any argument the model would reject (a misspelt option gets the method's own message); the
-    ``streamer`` and ``assistant_model`` of the calling ``generate()`` are recovered from it."""
+    one against the model, and drops ``streamer``, ``assistant_model``, ``tokenizer`` and ``assistant_tokenizer``.
+    So its signature names every method option (those of other methods too, so that a misplaced one gets the error
+    naming its method) and, while ``generate()`` sorts its arguments, any argument the model would reject (a misspelt
+    option gets the method's own message); the tokenizers go back into the arguments ``generate()`` sorts (its stop
+    strings need them), and the ``streamer`` and ``assistant_model`` of the calling ``generate()`` are recovered from
+    it."""
 
     def __init__(self, method, defaults: dict):
         if isinstance(method, Proposer):
@@ -122,7 +123,6 @@ class _DecodingMethod:
             self.fixed, self.label = None, method
             registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at generate()
         self.method, self.defaults = method, defaults
-        self._local = threading.local()  # what generate() pops while it reads the signature, for this thread's call
         self.__name__ = f"hf_specdec_{self.label}"
         self.__doc__ = f"hf_specdec speculative decoding, method {self.label!r}."
 
@@ -132,11 +132,11 @@ class _DecodingMethod:
                  for name, default in (("model", inspect.Parameter.empty), ("input_ids", inspect.Parameter.empty),
                                        ("logits_processor", None), ("stopping_criteria", None),
                                        ("generation_config", None))]
-        names = list(registry.all_option_names())
+        names = list(dict.fromkeys([*registry.all_option_names(), *TOKENIZERS]))
         sorting = generate_arguments_in_flight()  # (model, kwargs) while generate() sorts its arguments
         if sorting is not None:
             names += [k for k in unused_generate_arguments(*sorting) if k not in names]
-            self._local.tokenizers = tokenizers_in_flight()  # generate() pops them now and never passes them on
+            hand_tokenizers_on()  # generate() popped them: back, to reach its stop strings and this call
         options = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names]
         rest = inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)
         return inspect.Signature(plain + options + [rest])
@@ -144,8 +144,7 @@ class _DecodingMethod:
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                  **kwargs):
         dropped = calling_generate_arguments()  # streamer= and assistant_model= that generate() kept to itself
-        dropped.update(getattr(self._local, "tokenizers", {}))  # tokenizer= / assistant_tokenizer= it popped
-        self._local.tokenizers = {}
+        dropped.update({k: kwargs.pop(k) for k in TOKENIZERS if k in kwargs})  # for the methods that take them
         opts = {**self.defaults, **_take_options(kwargs, model)}
         if dropped.get("assistant_model") is not None:
             if opts.get("drafter") is not None:

@@ -235,6 +235,61 @@ def test_text_streamer(target, capsys):
     assert printed == tok.decode(ref[0, ids.shape[1]:]).strip()
 
 
+def _stop_case(target):
+    """Two prompts, a tokenizer and a stop string the first row writes at its sixth new token."""
+    tok = word_tokenizer()
+    ids, mask = prompts(2, 12, seed=11)
+    free = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=EOS,
+                           pad_token_id=0)
+    return tok, ids, mask, tok.decode(free[0, ids.shape[1] + 5]), free
+
+
+def _method(name):
+    from test_syncs import _eagle3
+
+    return {"eagle3": dict(drafter=_eagle3(), num_speculative_tokens=3)}.get(name, {})
+
+
+STOP_FORMS = {  # every entry form: (target, method, its options, generate's arguments) -> sequences
+    "folder": lambda target, m, opts, kw: target.generate(custom_generate=hf_specdec.custom_generate_path(m),
+                                                          trust_remote_code=True, **opts, **kw),
+    "callable": lambda target, m, opts, kw: target.generate(custom_generate=hf_specdec.decoding_method(m, **opts),
+                                                            **kw),
+    "generate_with_method": lambda target, m, opts, kw: hf_specdec.generate_with_method(m, target, **opts, **kw),
+}
+
+
+@pytest.mark.parametrize("in_config", [False, True], ids=["argument", "generation_config"])
+@pytest.mark.parametrize("form", STOP_FORMS)
+@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "eagle3"])
+def test_stop_strings_with_the_tokenizer_in_every_form(target, name, form, in_config):
+    """``stop_strings`` (as an argument or in a ``GenerationConfig``) with ``tokenizer=``: the output of plain
+    ``generate()`` with the same stop strings (the callable form failed with "could not locate a tokenizer")."""
+    from transformers import GenerationConfig
+
+    tok, ids, mask, stop, free = _stop_case(target)
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=EOS, pad_token_id=0, stop_strings=[stop])
+    kw = dict(input_ids=ids, attention_mask=mask, tokenizer=tok,
+              **({"generation_config": GenerationConfig(**gen)} if in_config else gen))
+    ref = target.generate(**kw)
+    assert not torch.equal(ref, free)  # the stop string cut the first row short
+    assert torch.equal(STOP_FORMS[form](target, name, _method(name), kw), ref)
+
+
+@pytest.mark.parametrize("folder", [False, True], ids=["callable", "folder"])
+def test_stop_sequence_in_a_pipeline(target, folder):
+    pipe, tok = _pipe(target)
+    texts = ["abcdefabcdef", "hello world! hello"]
+    kw = dict(max_new_tokens=12, do_sample=False, return_full_text=False, batch_size=2)
+    free = pipe(texts, **kw)
+    stop = free[0][0]["generated_text"][4]
+    ref = pipe(texts, **kw, stop_sequence=stop)
+    assert ref != free
+    custom = (dict(custom_generate=hf_specdec.custom_generate_path("prompt_lookup"), trust_remote_code=True) if folder
+              else dict(custom_generate=hf_specdec.decoding_method("prompt_lookup")))
+    assert pipe(texts, **kw, stop_sequence=stop, **custom) == ref
+
+
 @pytest.mark.parametrize("method", ["prompt_lookup", "assisted"])
 def test_in_transformers_loop(target, drafter, method):
     ids, _ = prompts(1, 12)
