@@ -101,11 +101,24 @@ def test_install_hub_cache_layout(tmp_path):
 
 
 def test_hub_repo_id_offline_from_any_directory(tmp_path):
-    """The exact call custom_generate="hf_specdec/prompt_lookup" resolved from the local Hub cache, offline."""
+    """The exact call custom_generate="hf_specdec/prompt_lookup" outside the repository: transformers' own OSError
+    (raised before any hf_specdec code runs; the README names it and the fix), then, after `hf-specdec
+    install-hub-cache`, resolved from the local Hub cache, offline."""
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
                HF_MODULES_CACHE=str(tmp_path / "modules"), PYTHONPATH=str(REPO / "tests"))
     work = tmp_path / "elsewhere"
     work.mkdir()
+    before = ("from tiny import tiny_model, prompts\n"
+              "tiny_model('llama').generate(prompts(1, 12)[0], max_new_tokens=2, trust_remote_code=True,\n"
+              "                             custom_generate='hf_specdec/prompt_lookup')\n")
+    res = subprocess.run([sys.executable, "-c", before], cwd=work, env=env, capture_output=True, text=True)
+    said = "OSError: `hf_specdec/prompt_lookup` does not contain a `custom_generate` subdirectory"
+    assert res.returncode != 0 and said in res.stderr, res.stderr[-2000:]
+    readme = (REPO / "README.md").read_text()
+    assert said.replace("prompt_lookup", "eagle3") in " ".join(readme.split())
+    assert "hf-specdec install-hub-cache" in readme
+    first = readme.split("## Quick start")[1].split("```python")[1].split("```")[0]  # the README's first example
+    assert "custom_generate_path(" in first and 'custom_generate="hf_specdec/' not in first
     subprocess.run([sys.executable, "-m", "hf_specdec.cli", "install-hub-cache"], cwd=work, env=env, check=True,
                    capture_output=True)
     script = (
