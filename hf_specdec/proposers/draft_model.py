@@ -55,7 +55,7 @@ def restricted_head(drafter, vocab) -> tuple[torch.nn.Linear, torch.Tensor]:
         raise ValueError(f"draft_vocab must be non-empty token ids in [0, {head.out_features}) (the drafter's "
                          f"vocabulary), got {vocab.tolist()[:3]}...{vocab.tolist()[-3:]}.")
     sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=head.bias is not None, device="meta",
-                          dtype=head.weight.dtype).to_empty(device=head.weight.device)  # uninitialised: copied into
+                          dtype=head.weight.dtype).to_empty(device=head.weight.device)  # no init: rows copied in
     with torch.no_grad():
         sub.weight.copy_(head.weight[vocab.to(head.weight.device)])
         if head.bias is not None:
