@@ -47,14 +47,21 @@ def generate_arguments_in_flight():
     return (model, kwargs) if model is not None and isinstance(kwargs, dict) else None
 
 
-def tokenizers_in_flight() -> dict:
-    """``{"tokenizer": ..., "assistant_tokenizer": ...}`` (those given) while ``generate()`` sorts its keyword
-    arguments: it pops them before it reads a decoding callable's signature and never hands them to the callable."""
+TOKENIZERS = ("tokenizer", "assistant_tokenizer")
+
+
+def hand_tokenizers_on() -> None:
+    """While ``generate()`` sorts its keyword arguments: it has popped ``tokenizer=`` / ``assistant_tokenizer=`` and
+    would hand a decoding callable neither (nor its own stopping criteria: ``stop_strings`` then fail with "could not
+    locate a tokenizer"). Put the given ones back into the arguments it is sorting, so that it takes them as the
+    callable's own (whose signature names them) and passes them on to its stopping criteria and to the callable, as
+    it does for plain decoding."""
     frame = _frame(_SORTING)
-    taken = frame.f_locals.get("generation_mode_kwargs") if frame is not None else None
-    if not isinstance(taken, dict):
-        return {}
-    return {k: taken[k] for k in ("tokenizer", "assistant_tokenizer") if taken.get(k) is not None}
+    if frame is None:
+        return
+    taken, kwargs = frame.f_locals.get("generation_mode_kwargs"), frame.f_locals.get("kwargs")
+    if isinstance(taken, dict) and isinstance(kwargs, dict):
+        kwargs.update({k: taken[k] for k in TOKENIZERS if taken.get(k) is not None})
 
 
 def unused_generate_arguments(model, kwargs: dict) -> list[str]:

@@ -107,6 +107,32 @@ def call_seed(seed: int | None = None, generator: torch.Generator | None = None)
                              else "cpu"))
 
 
+def _cuda_indices(model) -> list[int]:
+    """The CUDA devices ``model`` sits on (its device and, under Accelerate, those of its device map)."""
+    places = [model.device, *(getattr(model, "hf_device_map", None) or {}).values()]
+    found = set()
+    for place in places:
+        if isinstance(place, int):
+            found.add(place)
+        elif place != "disk" and torch.device(place).type == "cuda":
+            index = torch.device(place).index
+            found.add(index if index is not None else torch.cuda.current_device())
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def seed_first(model, do_sample: bool, seed: int | None = None, generator: torch.Generator | None = None):
+    """A call's seed drawn before the call does anything else, and torch's global generators left as that draw left
+    them: yields the seed (``None`` for a greedy call, which draws nothing), and on exit restores the global
+    generators (CPU and the target's CUDA devices) from whatever the call drew besides -- a drafter's modules
+    initialised while it loads, a conversion's, rejection sampling's draws. So under ``torch.manual_seed(s)`` every
+    method draws the same seed as ``decoding_method("plain")`` (the same text under coupled sampling), whether its
+    drafter is loaded in the call or was loaded before, and the global generator moves on by that one draw only."""
+    drawn = call_seed(seed, generator) if do_sample else None
+    with torch.random.fork_rng(devices=_cuda_indices(model)):
+        yield drawn
+
+
 @contextlib.contextmanager
 def seeded(seed: int, device):
     """torch's generators (CPU and ``device``) seeded with ``seed`` inside, restored after: rejection sampling's

@@ -3,9 +3,10 @@
 Two sizes. By default (the quick demo) a few methods (:data:`QUICK_METHODS`: prompt lookup, EAGLE-3 and DFlash with
 their shipped drafters) run on two prompts (:data:`QUICK_PROMPTS`: one that copies from its prompt, one word
 problem), each generation once: on an idle 2-core CPU the first comparison is printed about 15 s after the model has
-loaded and the whole run takes about a minute. ``thorough=True`` (``hf-specdec demo --thorough``) runs every method the default model
-has a drafter for on every demo prompt, :data:`THOROUGH_REPEATS` times each. ``methods`` and ``repeats`` change
-either.
+loaded and the whole run takes about a minute. ``thorough=True`` (``hf-specdec demo --thorough``) runs every method
+the default model has a drafter for on every demo prompt, :data:`THOROUGH_REPEATS` times each (about 15 minutes on
+an idle 2-core CPU; the quick demo's last line estimates it for the machine it ran on). ``methods`` and ``repeats``
+change either.
 
 The repeats are interleaved: for each prompt, plain greedy ``generate()``, the kernel-matched plain loop (on a CPU),
 then every method, and again, so that a busy moment of a shared machine falls on all of them. Each row (one prompt,
@@ -122,19 +123,21 @@ def available_demo_methods(model, drafters: dict | None = None, only: list[str] 
     unknown = set(given) - {m.drafter_flag for m in registry.methods() if m.drafter is not None}
     if unknown:
         raise ValueError(f"No method takes a drafter named {', '.join(sorted(unknown))}.")
-    methods = {}
+    return {name: {"drafter": registry.load_drafter(name, source, model)} if source is not None else {}
+            for name, source in _demo_sources(model, given, only).items()}
+
+
+def _demo_sources(model, given: dict, only: list[str] | None) -> dict:
+    """The methods the demo runs on ``model`` (``only``, or every one but the reference and the routers) and the
+    drafter each loads: ``given[flag]``, else the shipped one, else ``None`` (no drafter, or an optional one)."""
+    sources = {}
     for m in registry.methods():
         if (only is not None and m.name not in only) or (only is None and (m.reference or m.router)):
             continue
-        if m.drafter is None:
-            methods[m.name] = {}
-            continue
-        source = given.get(m.drafter_flag) or registry.shipped_drafter(m, model)
-        if source is not None:
-            methods[m.name] = {"drafter": registry.load_drafter(m, source, model)}
-        elif not m.drafter.required:  # runs without one (LayerSkip: the plain early exit)
-            methods[m.name] = {}
-    return methods
+        source = None if m.drafter is None else given.get(m.drafter_flag) or registry.shipped_drafter(m, model)
+        if m.drafter is None or source is not None or not m.drafter.required:
+            sources[m.name] = source
+    return sources
 
 
 def _label(name: str, opts: dict) -> str:
@@ -283,9 +286,8 @@ def _plural(n: int, word: str) -> str:
 
 
 def _thorough_count(model) -> int:
-    """How many methods ``--thorough`` runs on ``model``: those without a drafter or with one shipped for it."""
-    return sum(m.drafter is None or not m.drafter.required or registry.shipped_drafter(m, model) is not None
-               for m in registry.methods())
+    """How many methods ``--thorough`` runs on ``model`` (the reference and the routers are not among them)."""
+    return len(_demo_sources(model, {}, None))
 
 
 def run_demo(max_new_tokens: int = 96, methods: list[str] | None = None, repeats: int | None = None,

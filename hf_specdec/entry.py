@@ -9,8 +9,8 @@ Three ways, one code path, every method and option read from the registry (:mod:
   :func:`generate_with_method` takes out what belongs to the method and calls ``model.generate`` again with a
   decoding callable, so transformers still prepares everything (generation config, processors, stopping criteria).
 * ``model.generate(..., custom_generate=hf_specdec.decoding_method("prompt_lookup"), ...)`` — a Python callable.
-  transformers keeps ``streamer``/``assistant_model`` from a callable: they are recovered from the calling
-  ``generate()`` (:class:`_DecodingMethod`).
+  transformers keeps ``streamer``/``assistant_model``/``tokenizer`` from a callable: they are recovered from the
+  calling ``generate()`` (:class:`_DecodingMethod`).
 * the same from ``pipeline("text-generation", ...)(prompt, custom_generate=..., trust_remote_code=True, ...)``.
 
 The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :func:`~hf_specdec.runner_choice.runner_for`.
@@ -18,18 +18,19 @@ The target runner (:mod:`hf_specdec.runners`) is chosen here, once per call: :fu
 
 from __future__ import annotations
 
+import functools
 import inspect
-import threading
 from typing import Callable
 
 import torch
 from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
 
 from . import registry
+from .coupling import seed_first
 from .engine import speculative_decode
 from ._transformers import generation_defaults
-from ._transformers_frames import (calling_generate_arguments, generate_arguments_in_flight, tokenizers_in_flight,
-                                   unused_generate_arguments)
+from ._transformers_frames import (TOKENIZERS, calling_generate_arguments, generate_arguments_in_flight,
+                                   hand_tokenizers_on, unused_generate_arguments)
 from .folders import custom_generate_path
 from .proposers import Proposer
 from .proposers.build import build_proposer
@@ -83,14 +84,31 @@ def _runner(model, loop: dict):
     return runner_for(model, compile=bool(loop.pop("compile", False)))
 
 
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop: dict,
+            **kwargs):
+    """One call of the loop from a decoding callable: its seed drawn first (:func:`~hf_specdec.coupling.seed_first`:
+    before the proposer is built, a drafter loaded in the call initialised, or anything else drawn, so under
+    ``torch.manual_seed`` every method samples with ``plain``'s seed), then the proposer (``proposer``: a
+    :class:`~hf_specdec.proposers.Proposer`, or a function that builds one), the runner and the loop."""
+    loop = dict(loop)
+    config = generation_config if generation_config is not None else model.generation_config
+    with seed_first(model, bool(config.do_sample), loop.pop("seed", None), loop.pop("generator", None)) as seed:
+        proposer = proposer if isinstance(proposer, Proposer) else proposer()
+        runner = _runner(model, loop)
+        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
+                                  proposer=proposer, runner=runner, seed=seed, **loop, **kwargs)
+
+
 class _DecodingMethod:
     """The callable :func:`decoding_method` returns (``model.generate(custom_generate=...)``).
 
     transformers hands a decoding callable only the ``generate()`` arguments its signature names, checks every other
-    one against the model, and drops ``streamer`` and ``assistant_model``. So its signature names every method option
-    (those of other methods too, so that a misplaced one gets the error naming its method) and, while ``generate()``
-    sorts its arguments, any argument the model would reject (a misspelt option gets the method's own message); the
-    ``streamer`` and ``assistant_model`` of the calling ``generate()`` are recovered from it."""
+    one against the model, and drops ``streamer``, ``assistant_model``, ``tokenizer`` and ``assistant_tokenizer``.
+    So its signature names every method option (those of other methods too, so that a misplaced one gets the error
+    naming its method) and, while ``generate()`` sorts its arguments, any argument the model would reject (a misspelt
+    option gets the method's own message); the tokenizers go back into the arguments ``generate()`` sorts (its stop
+    strings need them), and the ``streamer`` and ``assistant_model`` of the calling ``generate()`` are recovered from
+    it."""
 
     def __init__(self, method, defaults: dict):
         if isinstance(method, Proposer):
@@ -104,7 +122,6 @@ class _DecodingMethod:
             self.fixed, self.label = None, method
             registry.get(method).resolve(defaults)  # unknown or invalid options fail here, not at generate()
         self.method, self.defaults = method, defaults
-        self._local = threading.local()  # what generate() pops while it reads the signature, for this thread's call
         self.__name__ = f"hf_specdec_{self.label}"
         self.__doc__ = f"hf_specdec speculative decoding, method {self.label!r}."
 
@@ -114,11 +131,11 @@ class _DecodingMethod:
                  for name, default in (("model", inspect.Parameter.empty), ("input_ids", inspect.Parameter.empty),
                                        ("logits_processor", None), ("stopping_criteria", None),
                                        ("generation_config", None))]
-        names = list(registry.all_option_names())
+        names = list(dict.fromkeys([*registry.all_option_names(), *TOKENIZERS]))
         sorting = generate_arguments_in_flight()  # (model, kwargs) while generate() sorts its arguments
         if sorting is not None:
             names += [k for k in unused_generate_arguments(*sorting) if k not in names]
-            self._local.tokenizers = tokenizers_in_flight()  # generate() pops them now and never passes them on
+            hand_tokenizers_on()  # generate() popped them: back, to reach its stop strings and this call
         options = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names]
         rest = inspect.Parameter("model_kwargs", inspect.Parameter.VAR_KEYWORD)
         return inspect.Signature(plain + options + [rest])
@@ -126,8 +143,7 @@ class _DecodingMethod:
     def __call__(self, model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
                  **kwargs):
         dropped = calling_generate_arguments()  # streamer= and assistant_model= that generate() kept to itself
-        dropped.update(getattr(self._local, "tokenizers", {}))  # tokenizer= / assistant_tokenizer= it popped
-        self._local.tokenizers = {}
+        dropped.update({k: kwargs.pop(k) for k in TOKENIZERS if k in kwargs})  # for the methods that take them
         opts = {**self.defaults, **_take_options(kwargs, model)}
         if dropped.get("assistant_model") is not None:
             if opts.get("drafter") is not None:
@@ -143,11 +159,9 @@ class _DecodingMethod:
                                  f"({self.label}); configure the proposer itself.")
             proposer = self.fixed
         else:
-            proposer = _build(self.method, model, opts, generation_config)
-        runner = _runner(model, loop)
-        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, runner=runner, streamer=dropped.get("streamer"),
-                                  prompt_streamed=True, **loop, **kwargs)
+            proposer = functools.partial(_build, self.method, model, opts, generation_config)
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop,
+                       streamer=dropped.get("streamer"), prompt_streamed=True, **kwargs)
 
 
 def decoding_method(method, **defaults) -> Callable:
@@ -203,12 +217,11 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
     loop = _split_loop_options(opts)
     record.resolve(dict(opts))  # option errors before generate() runs; the proposer is built with the call's config
-    runner = _runner(model, loop)
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **model_kwargs):
-        proposer = _build(method, model, dict(opts), generation_config)
-        return speculative_decode(model, input_ids, logits_processor, stopping_criteria, generation_config,
-                                  proposer=proposer, streamer=streamer, runner=runner, **loop, **model_kwargs)
+        proposer = functools.partial(_build, method, model, dict(opts), generation_config)
+        return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop,
+                       streamer=streamer, **model_kwargs)
 
     return model.generate(
         inputs,

@@ -80,8 +80,9 @@ class TargetHeadMixin(DraftVocabularyMixin):
         # the rows on the head's execution device (an LM head offloaded by Accelerate: its stored weights, read once)
         weight, bias = materialized(head, "weight"), materialized(head, "bias")
         rows = self.token_map.to(weight.device)
-        sub = nn.Linear(head.in_features, rows.numel(), bias=bias is not None, device=execution_device(head),
-                        dtype=weight.dtype)
+        # built uninitialised (its rows are copied in): an init would draw from torch's global generator at every call
+        sub = nn.Linear(head.in_features, rows.numel(), bias=bias is not None, device="meta",
+                        dtype=weight.dtype).to_empty(device=execution_device(head))
         with torch.no_grad():
             sub.weight.copy_(weight[rows])
             if bias is not None:

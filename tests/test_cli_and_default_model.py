@@ -248,6 +248,24 @@ def test_demo_by_default_is_quick_and_says_how_to_run_the_thorough_one(capsys, m
     assert out.rstrip().splitlines()[-1].endswith("hf-specdec demo --thorough")
 
 
+def test_thorough_is_counted_and_documented_as_it_runs():
+    """The quick demo's estimate for --thorough counts the generations --thorough makes (not the reference or the
+    routers: it counted plain and auto), and the README and docs/cli.md give that number."""
+    from pathlib import Path
+
+    from hf_specdec import demo, registry
+
+    model = tiny_model("llama")
+    runs = demo.available_demo_methods(model)  # what --thorough runs on it (no drafter ships for the tiny model)
+    assert demo._thorough_count(model) == len(runs) > 0
+    assert not any(registry.get(name).reference or registry.get(name).router for name in runs)
+    # on the default model (None), each round with plain and padded plain
+    generations = len(demo.demo_prompts()) * demo.THOROUGH_REPEATS * (demo._thorough_count(None) + 2)
+    repo = Path(__file__).resolve().parents[1]
+    for page in (repo / "README.md", repo / "docs" / "cli.md"):
+        assert f"{generations} generations" in page.read_text(), page
+
+
 def test_demo_flags_noisy_and_impossible_rows():
     from hf_specdec import demo
 

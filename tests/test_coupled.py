@@ -12,8 +12,10 @@ import torch
 from scipy.stats import chisquare
 
 import hf_specdec
+from hf_specdec import registry
 from hf_specdec.coupling import CoupledNoise, gumbel, position_key
-from test_syncs import METHODS, method, _target
+from hf_specdec.hub_cache import write_cached_repo
+from test_syncs import METHODS, V, method, _target
 from tiny import prompts, tiny_model
 
 NEW = 24
@@ -72,6 +74,77 @@ def test_generator_gives_the_seed(target):
     c, _ = _run(target, plain, 1, generator=gen)
     d, _ = _run(target, plain, 1, generator=gen)  # the generator moved on: the next call differs
     assert a == b == c != d
+
+
+# ---- torch.manual_seed before the call: the call's seed is its first draw, nothing else of it moves the generator
+def _under_manual_seed(model, custom, **kw):
+    """The call's sequences and seed under ``torch.manual_seed(3)``, and torch's next global draw after the call."""
+    torch.manual_seed(3)
+    out, stats = _run(model, custom, 1, **kw)
+    return out, stats["seed"], torch.rand(()).item()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_manual_seed_gives_plains_text_first_and_later_calls(target, name):
+    """Drafters given as modules (MTP's binds its target's head at every call, a draw before the fix)."""
+    ref = _under_manual_seed(target, hf_specdec.decoding_method("plain"))
+    custom = method(name, target)
+    assert _under_manual_seed(target, custom) == ref
+    assert _under_manual_seed(target, custom) == ref
+
+
+def _in_call_drafters(tmp_path, hub, target):
+    """method -> (its options, the drafter as the call names it: a folder or a Hub id, loaded by the call)."""
+    from eagle3_fixtures import random_weights, speculators_files
+    from test_syncs import HIDDEN, _dflash, _eagle3, _medusa, _mtp
+
+    write_cached_repo(hub, "RedHatAI/Tiny-speculator.eagle3", speculators_files(random_weights(), aux_ids=[0, 1, 2]))
+    saved = {}
+    for name, module in (("eagle3", _eagle3()), ("dflash", _dflash()), ("medusa", _medusa()), ("mtp", _mtp(target)),
+                         ("assisted", tiny_model("llama", seed=7, hidden=HIDDEN))):
+        module.save_pretrained(tmp_path / name)
+        saved[name] = str(tmp_path / name)
+    return {
+        "eagle3_published": ("eagle3", {}, "RedHatAI/Tiny-speculator.eagle3"),  # converted in memory: draws
+        "eagle3": ("eagle3", {}, saved["eagle3"]),
+        "dflash": ("dflash", {}, saved["dflash"]),
+        "medusa": ("medusa", {"medusa_choices": [[0], [1], [0, 0], [0, 1], [1, 0]]}, saved["medusa"]),
+        "mtp": ("mtp", {}, saved["mtp"]),
+        "assisted": ("assisted", {"draft_vocab": list(range(0, V, 3))}, saved["assisted"]),  # a head built per call
+    }
+
+
+IN_CALL = ["eagle3_published", "eagle3", "dflash", "medusa", "mtp", "assisted"]
+
+
+@pytest.mark.parametrize("form", ["callable", "folder"])
+@pytest.mark.parametrize("case", IN_CALL)
+def test_manual_seed_with_drafters_loaded_in_the_call(target, tmp_path, hub, case, form):
+    """A drafter loaded by the call itself (its modules initialised, a published layout converted), then reused by
+    the next call: both give plain's seed and text, and leave the global generator where plain leaves it."""
+    name, opts, source = _in_call_drafters(tmp_path, hub, target)[case]
+    if form == "callable":
+        custom, kw = hf_specdec.decoding_method(name, drafter=source, **opts), {}
+        plain = hf_specdec.decoding_method("plain")
+    else:
+        custom, kw = hf_specdec.custom_generate_path(name), dict(trust_remote_code=True, drafter=source, **opts)
+        plain = hf_specdec.custom_generate_path("plain")
+    ref = _under_manual_seed(target, plain, **({"trust_remote_code": True} if form == "folder" else {}))
+    registry.REGISTRY.drafters.clear()
+    first = _under_manual_seed(target, custom, **kw)
+    assert len(registry.REGISTRY.drafters.entries) == 1, "the first call loaded the drafter"
+    assert first == ref
+    assert _under_manual_seed(target, custom, **kw) == ref
+
+
+def test_manual_seed_rejection_sampling_repeats(target):
+    """Rejection sampling draws from a generator seeded by the call's seed: under torch.manual_seed the call repeats
+    (a constant schedule) and the global generator moves on by the seed's draw alone."""
+    ref = _under_manual_seed(target, hf_specdec.decoding_method("plain"))
+    custom = method("eagle3", target)
+    a = _under_manual_seed(target, custom, speculative_sampling="rejection")
+    assert a == _under_manual_seed(target, custom, speculative_sampling="rejection")
+    assert a[1:] == ref[1:]
 
 
 def test_prefix_dependent_processors_walk_on_the_host(target):

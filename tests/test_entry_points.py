@@ -101,11 +101,24 @@ def test_install_hub_cache_layout(tmp_path):
 
 
 def test_hub_repo_id_offline_from_any_directory(tmp_path):
-    """The exact call custom_generate="hf_specdec/prompt_lookup" resolved from the local Hub cache, offline."""
+    """The exact call custom_generate="hf_specdec/prompt_lookup" outside the repository: transformers' own OSError
+    (raised before any hf_specdec code runs; the README names it and the fix), then, after `hf-specdec
+    install-hub-cache`, resolved from the local Hub cache, offline."""
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
                HF_MODULES_CACHE=str(tmp_path / "modules"), PYTHONPATH=str(REPO / "tests"))
     work = tmp_path / "elsewhere"
     work.mkdir()
+    before = ("from tiny import tiny_model, prompts\n"
+              "tiny_model('llama').generate(prompts(1, 12)[0], max_new_tokens=2, trust_remote_code=True,\n"
+              "                             custom_generate='hf_specdec/prompt_lookup')\n")
+    res = subprocess.run([sys.executable, "-c", before], cwd=work, env=env, capture_output=True, text=True)
+    said = "OSError: `hf_specdec/prompt_lookup` does not contain a `custom_generate` subdirectory"
+    assert res.returncode != 0 and said in res.stderr, res.stderr[-2000:]
+    readme = (REPO / "README.md").read_text()
+    assert said.replace("prompt_lookup", "eagle3") in " ".join(readme.split())
+    assert "hf-specdec install-hub-cache" in readme
+    first = readme.split("## Quick start")[1].split("```python")[1].split("```")[0]  # the README's first example
+    assert "custom_generate_path(" in first and 'custom_generate="hf_specdec/' not in first
     subprocess.run([sys.executable, "-m", "hf_specdec.cli", "install-hub-cache"], cwd=work, env=env, check=True,
                    capture_output=True)
     script = (
@@ -233,6 +246,61 @@ def test_text_streamer(target, capsys):
                     custom_generate=hf_specdec.custom_generate_path("prompt_lookup"), trust_remote_code=True)
     printed = capsys.readouterr().out.strip()
     assert printed == tok.decode(ref[0, ids.shape[1]:]).strip()
+
+
+def _stop_case(target):
+    """Two prompts, a tokenizer and a stop string the first row writes at its sixth new token."""
+    tok = word_tokenizer()
+    ids, mask = prompts(2, 12, seed=11)
+    free = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=EOS,
+                           pad_token_id=0)
+    return tok, ids, mask, tok.decode(free[0, ids.shape[1] + 5]), free
+
+
+def _method(name):
+    from test_syncs import _eagle3
+
+    return {"eagle3": dict(drafter=_eagle3(), num_speculative_tokens=3)}.get(name, {})
+
+
+STOP_FORMS = {  # every entry form: (target, method, its options, generate's arguments) -> sequences
+    "folder": lambda target, m, opts, kw: target.generate(custom_generate=hf_specdec.custom_generate_path(m),
+                                                          trust_remote_code=True, **opts, **kw),
+    "callable": lambda target, m, opts, kw: target.generate(custom_generate=hf_specdec.decoding_method(m, **opts),
+                                                            **kw),
+    "generate_with_method": lambda target, m, opts, kw: hf_specdec.generate_with_method(m, target, **opts, **kw),
+}
+
+
+@pytest.mark.parametrize("in_config", [False, True], ids=["argument", "generation_config"])
+@pytest.mark.parametrize("form", STOP_FORMS)
+@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "eagle3"])
+def test_stop_strings_with_the_tokenizer_in_every_form(target, name, form, in_config):
+    """``stop_strings`` (as an argument or in a ``GenerationConfig``) with ``tokenizer=``: the output of plain
+    ``generate()`` with the same stop strings (the callable form failed with "could not locate a tokenizer")."""
+    from transformers import GenerationConfig
+
+    tok, ids, mask, stop, free = _stop_case(target)
+    gen = dict(max_new_tokens=20, do_sample=False, eos_token_id=EOS, pad_token_id=0, stop_strings=[stop])
+    kw = dict(input_ids=ids, attention_mask=mask, tokenizer=tok,
+              **({"generation_config": GenerationConfig(**gen)} if in_config else gen))
+    ref = target.generate(**kw)
+    assert not torch.equal(ref, free)  # the stop string cut the first row short
+    assert torch.equal(STOP_FORMS[form](target, name, _method(name), kw), ref)
+
+
+@pytest.mark.parametrize("folder", [False, True], ids=["callable", "folder"])
+def test_stop_sequence_in_a_pipeline(target, folder):
+    pipe, tok = _pipe(target)
+    texts = ["abcdefabcdef", "hello world! hello"]
+    kw = dict(max_new_tokens=12, do_sample=False, return_full_text=False, batch_size=2)
+    free = pipe(texts, **kw)
+    stop = free[0][0]["generated_text"][4]
+    ref = pipe(texts, **kw, stop_sequence=stop)
+    assert ref != free
+    custom = (dict(custom_generate=hf_specdec.custom_generate_path("prompt_lookup"), trust_remote_code=True) if folder
+              else dict(custom_generate=hf_specdec.decoding_method("prompt_lookup")))
+    assert pipe(texts, **kw, stop_sequence=stop, **custom) == ref
 
 
 @pytest.mark.parametrize("method", ["prompt_lookup", "assisted"])

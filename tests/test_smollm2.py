@@ -122,6 +122,29 @@ def test_shipped_drafters_are_the_default_for_smollm2(smollm2, tmp_path, monkeyp
     assert len(said) == 3 and all("pass drafter= to use another" in m for m in said)
 
 
+def test_manual_seed_gives_plains_text_with_the_shipped_drafters(smollm2):
+    """Issue 50: ``torch.manual_seed(0)`` before each sampled call (T 0.8, top-p 0.95): every method with its shipped
+    drafter, loaded by its first call and reused by the next, draws plain's seed and gives plain's text."""
+    from hf_specdec import registry
+
+    if hf_specdec.shipped_drafter("eagle3") is None:
+        pytest.skip("no shipped drafters in this checkout")
+    model, tok = smollm2
+    enc = _enc(tok, ["Write a short poem about the sea."])
+
+    def run(method):
+        torch.manual_seed(0)
+        out = model.generate(**enc, max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.95,
+                             return_dict_in_generate=True, custom_generate=hf_specdec.decoding_method(method))
+        return out.sequences.tolist(), out.speculative_stats["seed"]
+
+    ref = run("plain")
+    registry.REGISTRY.drafters.clear()
+    for method in ("eagle3", "prompt_lookup", "medusa", "dflash", "assisted", "mtp", "layerskip"):
+        assert run(method) == ref, method
+        assert run(method) == ref, method
+
+
 def test_bf16_verification_gives_every_tree_node_its_one_token_step_bits(smollm2):
     """SmolLM2 in bf16, one row, the CPU kernel runner: every node of random draft trees (chains, bushes, more than
     32 nodes) gets the logits of the one-token step plain decoding runs for its path, to the bit -- with

@@ -19,8 +19,8 @@ def add_commands(add) -> None:
                     "--thorough runs every method on every prompt with repeats")
     p.add_argument("--thorough", action="store_true",
                    help=f"every method the default model has a drafter for, on all {len(demo_prompts())} demo prompts, "
-                        f"{THOROUGH_REPEATS} interleaved repeats each with noisy / disturbed marks (17-48 minutes on "
-                        "2 cores)")
+                        f"{THOROUGH_REPEATS} interleaved repeats each with noisy / disturbed marks (about 15 minutes "
+                        "on 2 idle cores; the quick demo's last line estimates it for this machine)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=96, help="tokens generated per prompt")
     p.add_argument("--methods", type=_method_list, default=None, metavar="M1,M2",
                    help=f"methods to run, {method_list_help} (default: {','.join(QUICK_METHODS)}; with --thorough "

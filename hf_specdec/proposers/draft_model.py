@@ -56,8 +56,8 @@ def restricted_head(drafter, vocab) -> tuple[torch.nn.Linear, torch.Tensor]:
         raise ValueError(f"draft_vocab must be non-empty token ids in [0, {head.out_features}) (the drafter's "
                          f"vocabulary), got {vocab.tolist()[:3]}...{vocab.tolist()[-3:]}.")
     weight, bias = materialized(head, "weight"), materialized(head, "bias")  # a quantized head: its values
-    sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=bias is not None, device=weight.device,
-                          dtype=weight.dtype)
+    sub = torch.nn.Linear(head.in_features, vocab.numel(), bias=bias is not None, device="meta",
+                          dtype=weight.dtype).to_empty(device=weight.device)  # no init: rows copied in
     with torch.no_grad():
         sub.weight.copy_(weight[vocab.to(weight.device)])
         if bias is not None:
