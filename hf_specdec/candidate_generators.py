@@ -23,6 +23,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
+from . import registry
 from ._transformers import run_assisted_decoding
 from .attention import needs_switch, verifiable_attention
 from .cache import CacheLayout
@@ -153,12 +154,15 @@ def in_transformers_loop(method: str, **opts):
     """A ``custom_generate`` callable that runs ``method``'s proposer inside transformers' own assisted loop.
 
     The generator is handed to transformers for the duration of the call only
-    (:func:`hf_specdec._transformers.run_assisted_decoding`).
+    (:func:`hf_specdec._transformers.run_assisted_decoding`). Hybrid drafting is off unless ``hybrid=`` is given:
+    its default source, suffix decoding, drafts trees, and transformers' loop verifies chains.
     """
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, drafter=None,
             **model_kwargs):
         options = dict(opts)
+        if "hybrid" in registry.get(method).option_names and options.get("hybrid") is None:
+            options["hybrid"] = False
         if drafter is not None:
             options["drafter"] = drafter
         proposer = build_proposer(method, model, **options)

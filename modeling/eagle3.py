@@ -331,7 +331,7 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
 
     def forward(self, input_ids: torch.LongTensor, hidden_states: torch.Tensor, position_ids: torch.LongTensor,
                 attention_mask: torch.Tensor | None = None, cache=None, extra_kv=None, return_kv: bool = False,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None = None):
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None, logits_to_keep: int = 0):
         """Draft logits for the next tokens.
 
         Args:
@@ -344,14 +344,16 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
             extra_kv: training-time test only: ``(k, v)`` of earlier steps appended to the keys.
             rotary: :meth:`rotary` of ``position_ids`` (or any ``[B or 1, T or 1, 1, head_dim]`` views of it), when
                 the caller has it already (a draft tree computes it once for all its depths).
+            logits_to_keep: as transformers' models: the logits of the last ``logits_to_keep`` rows only (``0``: of
+                every row); a long context fed at once needs its last row's only.
 
-        Returns ``(logits [B, T, draft_vocab_size], prenorm [B, T, hidden_size])`` (and ``(k, v)`` with
-        ``return_kv``).
+        Returns ``(logits [B, T or logits_to_keep, draft_vocab_size], prenorm [B, T, hidden_size])`` (and
+        ``(k, v)`` with ``return_kv``).
         """
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
         hidden = self.project(hidden_states.to(self.fc.weight.dtype))
         hidden, kv = self.midlayer(embeds, hidden, position_ids, attention_mask, cache, extra_kv, rotary)
-        logits = self.lm_head(self.norm(hidden))
+        logits = self.lm_head(self.norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
         return (logits, hidden, kv) if return_kv else (logits, hidden)
 
 

@@ -355,9 +355,10 @@ class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
 
     # ---- forward
     def forward(self, input_ids: torch.LongTensor, hidden_states: torch.Tensor, position_ids: torch.LongTensor,
-                attention_mask: torch.Tensor | None = None, cache=None, step: int = 0):
+                attention_mask: torch.Tensor | None = None, cache=None, step: int = 0, logits_to_keep: int = 0):
         """Logits and chain states of module ``step % K`` (see the class docstring). ``attention_mask``: additive
-        ``[B, 1, T, keys]`` (``None``: causal); ``cache``: a transformers cache (the block writes layer ``k``)."""
+        ``[B, 1, T, keys]`` (``None``: causal); ``cache``: a transformers cache (the block writes layer ``k``);
+        ``logits_to_keep``: as transformers' models, the logits of the last that many rows only (``0``: every row)."""
         self._require_bound()
         if hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"The MTP module reads {self.config.hidden_size}-wide target hidden states, got "
@@ -374,7 +375,8 @@ class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
         x = block(x, attention_mask=attention_mask, position_embeddings=self._rope(x, position_ids),
                   position_ids=position_ids, cache=cache, use_cache=cache is not None)
         out = out_norm(x)
-        return self.logits(out), (out if self.config.chain_hidden == "normed" else x)
+        return (self.logits(out[:, -logits_to_keep:] if logits_to_keep else out),
+                out if self.config.chain_hidden == "normed" else x)
 
 
 class ParallelMTPConfig(_MTPConfigBase):

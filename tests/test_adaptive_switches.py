@@ -58,7 +58,16 @@ def _universal(target):
 
 
 def method(name: str, target) -> tuple[str, dict]:
-    """``(method, options)`` of a configuration the rules are switched in (adaptive schedules: the defaults)."""
+    """``(method, options)`` of a configuration the rules are switched in (adaptive schedules: the defaults); a
+    model drafter drafts alone (``hybrid=False``) unless the configuration is a hybrid one (``hybrid_*``), so that
+    its own rules act in every step."""
+    record, opts = _method(name, target)
+    if "hybrid" in registry.get(record).option_names and not name.startswith("hybrid_"):
+        opts = {**opts, "hybrid": False}
+    return record, opts
+
+
+def _method(name: str, target) -> tuple[str, dict]:
     if name in ("prompt_lookup", "suffix"):
         return name, {}
     if name == "lookahead":
@@ -80,9 +89,9 @@ def method(name: str, target) -> tuple[str, dict]:
     if name == "layerskip":
         return name, {"exit_layer": 1}
     if name == "hybrid_suffix":
-        return "eagle3", {**method("eagle3", target)[1], "hybrid": "suffix"}
+        return "eagle3", {**_method("eagle3", target)[1], "hybrid": "suffix"}
     if name == "hybrid_lookup":
-        return "assisted", {**method("assisted", target)[1], "hybrid": "prompt_lookup"}
+        return "assisted", {**_method("assisted", target)[1], "hybrid": "prompt_lookup"}
     if name == "universal":
         return name, _universal(target)
     raise KeyError(name)

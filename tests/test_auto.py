@@ -102,7 +102,7 @@ def test_confidence_threshold_ends_chains(target, assistant):
     ref = target.generate(input_ids=ids, attention_mask=mask, **GEN)
     out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=assistant, **GEN,
                           custom_generate=hf_specdec.decoding_method("assisted", num_speculative_tokens=4,
-                                                                     confidence=1.0),
+                                                                     confidence=1.0, hybrid=False),
                           return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     stats = _stats(out)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from hf_specdec.bench import batch_markdown, batch_sweep, build_methods, fp32_baseline, markdown, run_bench
-from hf_specdec.bench.data import DATASETS, load
+from hf_specdec.bench import data
+from hf_specdec.bench.data import DATASETS, DEFAULT_DATASETS, load
 from tiny import one_thread, tiny_model, word_tokenizer
 
 
@@ -18,11 +19,46 @@ def _chat_tokenizer(width: int = 30):
 
 def test_datasets_load_offline():
     for ds in DATASETS:
+        if ds == "summaries" and not data.lee_articles():
+            continue  # needs gensim: test_summaries_set covers it
         prompts = load(ds, limit=3)
         assert len(prompts) == 3 and all(p.text for p in prompts)
     assert len(load("mtbench")) == 80 and len(load("humaneval")) == 164
     copy = load("copy", limit=4)
     assert any("Rename the variable" in p.text for p in copy)
+    assert set(DEFAULT_DATASETS) < set(DATASETS) and "summaries" not in DEFAULT_DATASETS
+
+
+def test_demo_set_starts_with_the_quick_demos_prompts():
+    from hf_specdec.demo import QUICK_PROMPTS, demo_prompts
+
+    prompts = load("demo")
+    assert [p.text for p in prompts[:2]] == [demo_prompts()[i][1] for i in QUICK_PROMPTS]
+    assert prompts[0].id == "copy1" and len(prompts) == len(demo_prompts())
+    assert "replacing 'Sunday' with 'Saturday'" in load("demo", limit=1)[0].text
+
+
+def test_summaries_set(monkeypatch):
+    """Long summarisation prompts: whole articles, each used once, about SUMMARY_CHARS characters, the instruction
+    last; a seeded draw; a clear error without gensim."""
+    articles = [f"Article {i}: " + "word " * (200 + 10 * i) for i in range(60)]
+    monkeypatch.setattr(data, "lee_articles", lambda: list(articles))
+    prompts = load("summaries")
+    assert 3 <= len(prompts) <= 10 and len({p.id for p in prompts}) == len(prompts)
+    used = []
+    for p in prompts:
+        body, _, instruction = p.text.rpartition("\n\n")
+        assert instruction == data.SUMMARY_INSTRUCTION == "Summarise the text above."
+        assert data.SUMMARY_CHARS <= len(body) < data.SUMMARY_CHARS + 2 * max(map(len, articles))
+        parts = body.split("\n\n")
+        assert all(part in articles for part in parts)
+        used += parts
+    assert len(used) == len(set(used))  # no article twice
+    assert [p.text for p in load("summaries", limit=2)] == [p.text for p in prompts[:2]]
+    assert load("summaries", seed=1)[0].text != prompts[0].text
+    monkeypatch.setattr(data, "lee_articles", lambda: [])
+    with pytest.raises(RuntimeError, match="gensim"):
+        load("summaries")
 
 
 def test_unknown_method_or_missing_drafter():
@@ -227,6 +263,21 @@ def test_bench_without_sync_counting():
     assert "| – |" in markdown(result)
 
 
+def test_bench_repeats_each_prompt():
+    """repeats=N: each prompt timed in N rounds (every method and the baseline in each), the summary over all of
+    them (the CLI's --repeats: test_cli_bench_in_bfloat16)."""
+    methods = build_methods(["plain_kernels", "prompt_lookup"])
+    result = run_bench(tiny_model("llama"), _chat_tokenizer(), methods, ["gsm8k"], limit=2, max_new_tokens=4,
+                       progress=False, count_syncs=False, repeats=3)
+    for name in ("plain", "plain_kernels", "prompt_lookup"):
+        mine = [(r["prompt_id"], r["repeat"]) for r in result["runs"] if r["method"] == name]
+        assert sorted(mine) == sorted((p.id, k) for p in load("gsm8k", 2) for k in range(3))
+    assert all(r["prompts"] == 6 and r["mismatches"] == 0 for r in result["summary"])
+    with pytest.raises(ValueError, match="repeats"):
+        run_bench(tiny_model("llama"), _chat_tokenizer(), methods, ["gsm8k"], limit=1, max_new_tokens=4,
+                  progress=False, repeats=0)
+
+
 def test_bench_layerskip_and_transformers_early_exit():
     """``layerskip[:E]`` next to transformers' ``assistant_early_exit`` (``hf_early_exit:E``): both lossless, and a
     target forward is counted where the last layer runs (LayerSkip verifies without the model's ``forward``; the early
@@ -292,9 +343,11 @@ def test_cli_bench_in_bfloat16(tmp_path, monkeypatch, single_thread):
     monkeypatch.setattr(bench, "mismatches", lambda result: 1)
     out = tmp_path / "out"
     assert cli.main(["bench", "--target", str(tmp_path / "m"), "--dtype", "bfloat16", "--methods", "prompt_lookup",
-                     "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4", "--out", str(out)]) == 0
+                     "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4", "--out", str(out),
+                     "--repeats", "2"]) == 0
     saved = json.loads((out / "bench.json").read_text())
     assert saved["config"]["dtype"] == "bfloat16" and saved["machine"]["torch"] == torch.__version__
+    assert sorted(r["repeat"] for r in saved["runs"] if r["method"] == "prompt_lookup") == [0, 1]
     assert {r["method"] for r in saved["summary"]} == {"plain", "prompt_lookup", "plain_fp32"}
     assert all("speedup_vs_fp32" in r and "match_rate" in r for r in saved["summary"])
     assert "vs fp32 stock" in (out / "bench.md").read_text()

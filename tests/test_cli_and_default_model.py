@@ -99,7 +99,7 @@ def test_help_shows_choices_and_defaults(capsys, monkeypatch):
                   "float32 runs stock generate() as 'plain_fp32'", "AVX512-BF16 or AMX-BF16 (bfloat16)",
                   "(float16) (default: float32)", "--background-load {off,on,both}",
                   "(default: off)", "of " + ", ".join(DATASETS), "(default: bench_out)", "(default: 0)",
-                  "seed of the copy set's draw (default: 0)", "(default: 10)", "(default: 128)",
+                  "seed of the copy, repeat and summaries sets' draws (default: 0)", "(default: 10)", "(default: 128)",
                   "plain, plain_kernels, oracle:K, hf_prompt_lookup:K, hf_assisted",
                   "(default: prompt_lookup,hf_prompt_lookup:3,hf_prompt_lookup:10)"],
         "generate": [f"--method {{{methods}}}", "(default: prompt_lookup)", f"--dtype {dtypes}",

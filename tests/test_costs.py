@@ -158,7 +158,7 @@ def test_a_batch_that_cannot_gain_decodes_plainly_and_losslessly(monkeypatch, st
     ids, mask = prompts(3, length=10, seed=1)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None)
     ref = m.generate(**kw)
-    method = hf_specdec.decoding_method("assisted")
+    method = hf_specdec.decoding_method("assisted", hybrid=False)  # the drafter alone
     small = lambda: tiny_model("llama", seed=5, layers=1, hidden=16)  # noqa: E731
     out = m.generate(**kw, custom_generate=method, drafter=small(), return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)

@@ -211,7 +211,8 @@ def test_adaptive_backs_off_from_a_drafter_that_does_not_pay(bsz, monkeypatch):
     kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
     ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
     out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
-                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
+                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter,
+                          hybrid=False)  # the drafter alone
     assert torch.equal(out.sequences, ref)
     assert out.speculative_stats["proposed_drafts"] <= 40 // ForwardCostModel.EXPLORE_EVERY + 1  # exploration only
     assert 0 < len(calls) <= 7  # 40 steps: a miss, then probes after 1, 2, 4, 8, 16 skipped steps
@@ -232,7 +233,8 @@ def test_adaptive_backs_off_when_drafting_costs_more_than_it_saves(monkeypatch):
     kw = dict(max_new_tokens=40, do_sample=False, eos_token_id=None)
     ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
     out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
-                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter)
+                          custom_generate=hf_specdec.decoding_method("dflash"), drafter=drafter,
+                          hybrid=False)  # the drafter alone
     assert torch.equal(out.sequences, ref)
     assert out.speculative_stats["proposed_drafts"] > 0  # free verification: it does draft when it runs
     assert 0 < len(calls) <= 8  # but backs off: 40 steps, probes after 1, 2, 4, 8, 16 skipped steps

@@ -291,7 +291,7 @@ def test_adaptive_tree_backs_off_when_drafting_cannot_pay(monkeypatch):
         ref = target.generate(input_ids=ids, attention_mask=mask, **kw)
         out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
                               custom_generate=hf_specdec.decoding_method("eagle3"), drafter=drafter,
-                              tree_top_k=3, tree_depth=3, tree_total_tokens=8)
+                              tree_top_k=3, tree_depth=3, tree_total_tokens=8, hybrid=False)  # the drafter alone
         assert torch.equal(out.sequences, ref)
         assert out.speculative_stats["target_forward_passes"] >= 30 and len(calls) <= 7 * 3  # 7 proposals at most (back-off)
 
@@ -328,11 +328,11 @@ def test_tree_defaults_follow_the_targets_device():
     assert default_tree("cuda", torch.bfloat16) == default_tree("cuda")
     target = tiny_model("llama", layers=4, hidden=H)
     drafter = _eagle_drafter(target)
-    p = build_proposer("eagle3", target, drafter=drafter)
+    p = build_proposer("eagle3", target, drafter=drafter, hybrid=False)
     assert (p.top_k, p.depth, p.total_tokens, p.max_nodes, p.chain) == (2, 3, 4, 4, None)
-    p = build_proposer("eagle3", target, drafter=drafter, tree_top_k=5, tree_total_tokens=9)
+    p = build_proposer("eagle3", target, drafter=drafter, tree_top_k=5, tree_total_tokens=9, hybrid=False)
     assert (p.top_k, p.depth, p.total_tokens) == (5, 3, 9)
-    p = build_proposer("eagle3", target, drafter=drafter, num_speculative_tokens=3)
+    p = build_proposer("eagle3", target, drafter=drafter, num_speculative_tokens=3, hybrid=False)
     assert (p.chain, p.max_nodes) == (3, 4)
 
 

@@ -88,7 +88,7 @@ def test_verification_runs_only_the_late_layers_for_drafted_tokens():
     ids, mask = prompts(1, length=12, seed=4)
     exit_layer, k = 2, 3
     call = dict(custom_generate=hf_specdec.decoding_method("layerskip"), exit_layer=exit_layer,
-                num_speculative_tokens=k)
+                num_speculative_tokens=k, hybrid=False)  # LayerSkip's drafts alone
     generate(m, ids, mask, **call)  # the first call on a model times its forward sizes (calibration forwards)
     calls, handles = _count_layer_tokens(m)
     try:

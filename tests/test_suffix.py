@@ -210,8 +210,70 @@ def test_merged_tree_gives_lookup_rows_point_masses():
 def test_bad_hybrid_value():
     m = model("llama")
     ids, mask = prompts(1, length=6)
-    with pytest.raises(ValueError, match="hybrid must be 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache"):
+    with pytest.raises(ValueError, match="hybrid must be 'suffix', 'prompt_lookup', a hf_specdec.SuffixCache, or "
+                                         "False / 'off'"):
         generate(m, ids, mask, custom_generate=_assisted(m, tiny_model("llama", seed=3), hybrid="eagle"))
+
+
+MODEL_DRAFTERS = ("assisted", "eagle3", "dflash", "medusa", "layerskip", "mtp")  # the methods with hybrid=
+
+
+def _drafter_opts(method, target):
+    from test_syncs import _dflash, _eagle3, _medusa, _mtp
+
+    return {"assisted": lambda: {"drafter": tiny_model("llama", seed=7, hidden=32)}, "eagle3": lambda: {
+        "drafter": _eagle3()}, "dflash": lambda: {"drafter": _dflash()}, "medusa": lambda: {"drafter": _medusa()},
+        "layerskip": lambda: {"exit_layer": 1}, "mtp": lambda: {"drafter": _mtp(target)}}[method]()
+
+
+@pytest.mark.parametrize("method", MODEL_DRAFTERS)
+def test_model_drafters_draft_hybrid_with_suffix_by_default(method):
+    """Every model-drafter method wraps its proposer in hybrid drafting with suffix decoding unless told otherwise:
+    ``hybrid=False`` / ``"off"`` (and ``off`` / ``none`` in method strings) turn it off, so does the constant
+    schedule (the method's own drafts every step) unless ``hybrid=`` is given."""
+    from hf_specdec import registry
+    from hf_specdec.proposers.prompt_lookup import PromptLookupProposer
+
+    assert {m.name for m in registry.methods() if "hybrid" in m.option_names} == set(MODEL_DRAFTERS)
+    target = tiny_model("llama", seed=0, hidden=32, layers=2)
+    opts = _drafter_opts(method, target)
+    for given, lookup in [({}, SuffixProposer), ({"hybrid": None}, SuffixProposer),
+                          ({"hybrid": "prompt_lookup"}, PromptLookupProposer), ({"hybrid": False}, None),
+                          ({"hybrid": "off"}, None), ({"draft_length_schedule": "constant"}, None),
+                          ({"draft_length_schedule": "constant", "hybrid": "suffix"}, SuffixProposer)]:
+        proposer = build_proposer(method, target, **opts, **given)
+        if lookup is None:
+            assert not isinstance(proposer, HybridProposer), given
+        else:
+            assert isinstance(proposer, HybridProposer) and type(proposer.lookup) is lookup, given
+            assert proposer.name == f"{proposer.model.name}+{proposer.lookup.name}"
+    for text, value in [("off", False), ("none", False), ("False", False), ("suffix", "suffix")]:
+        assert registry.parse_spec(f"{method}:hybrid={text}")[1]["hybrid"] == value
+
+
+def test_layerskip_hybrid_is_lossless_whichever_source_a_step_takes(monkeypatch):
+    """LayerSkip's chains write the early layers into the target's cache, so a step takes the drafter-free draft for
+    every row or for none; with the choice at random (batch 3: mixed wishes fall back to LayerSkip), with and without
+    an exit adapter (fed the accepted path of a suffix tree it never drafted), greedy output is the target's."""
+    import random
+
+    from hf_specdec.proposers import hybrid
+    from test_layerskip import agreeable, random_adapter
+
+    rng = random.Random(0)
+    monkeypatch.setattr(hybrid.HybridProposer, "_model_rate", lambda self, state: rng.choice([0.0, 1.0, 1e9]))
+    m = agreeable("llama")
+    steps = []  # (batch size, steps that took the drafter-free draft, steps that LayerSkip drafted, accepted drafts)
+    for bsz, seed in ((1, 1), (3, 2), (3, 3)):
+        ids, mask = prompts(bsz, length=12, seed=seed, repeat=True)
+        ref = generate(m, ids, mask)
+        for opts in ({"exit_layer": 1}, {"drafter": random_adapter(m, draft_vocab=48)}):
+            proposer = build_proposer("layerskip", m, **opts)
+            out = generate(m, ids, mask, custom_generate=hf_specdec.decoding_method(proposer),
+                           return_dict_in_generate=True)
+            assert torch.equal(out.sequences, ref), (bsz, opts)
+            steps.append((bsz, proposer.lookup_steps, proposer.model_steps, out.speculative_stats["accepted_drafts"]))
+    assert all(sum(s[i] for s in steps if s[0] == bsz) > 0 for bsz in (1, 3) for i in (1, 2, 3)), steps
 
 
 def test_own_and_cache_drafts_merge_into_one_tree():

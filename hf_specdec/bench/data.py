@@ -1,7 +1,17 @@
 """Benchmark prompt sets, all offline: MT-bench, HumanEval, GSM8K (vendored, see data/NOTICE.md), a copy-heavy
-set built from the standard library (and the Lee news corpus when gensim is installed), and a repeating-structure
+set built from the standard library (and the Lee news corpus when gensim is installed), a repeating-structure
 set (the same instructions over many standard-library functions: requests that repeat the structure of earlier
-ones, where a cache of earlier outputs helps)."""
+ones, where a cache of earlier outputs helps), and two that are not run by default: ``summaries`` (about 3,000
+tokens of news articles from the Lee corpus, then "Summarise the text above.": a long prompt whose answer copies
+little of it; needs gensim) and ``demo`` (the prompts of ``hf-specdec demo``, the quick demo's two first).
+
+Example::
+
+    from hf_specdec.bench.data import load
+
+    load("summaries", limit=2)[0].text.endswith("Summarise the text above.")  # True
+    load("demo", limit=1)[0].id  # 'copy1': the quick demo's copy prompt
+"""
 
 from __future__ import annotations
 
@@ -15,7 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DATA = Path(__file__).parent / "data"
-DATASETS = ("mtbench", "humaneval", "gsm8k", "copy", "repeat")
+DEFAULT_DATASETS = ("mtbench", "humaneval", "gsm8k", "copy", "repeat")  # what ``bench`` runs unless told
+DATASETS = DEFAULT_DATASETS + ("summaries", "demo")
+GENSIM = "pip install --no-deps gensim==4.4.0"  # the Lee news corpus ships in it (gensim/test/test_data)
+SUMMARY_CHARS = 13_000  # article text per summarisation prompt: about 3,000 SmolLM2 tokens
+SUMMARY_INSTRUCTION = "Summarise the text above."
 
 
 @dataclass
@@ -73,18 +87,23 @@ def _stdlib_functions(seed: int, count: int) -> list[tuple[str, str, str]]:
     return found
 
 
+def lee_articles() -> list[str]:
+    """The 300 news articles of the Lee corpus (``lee_background.cor``, shipped in gensim), in the file's order;
+    ``[]`` when gensim is not installed."""
+    import importlib.metadata
+
+    try:
+        lee = Path(importlib.metadata.distribution("gensim").locate_file("gensim/test/test_data/lee_background.cor"))
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    if not lee.is_file():
+        return []
+    return [t.strip() for t in lee.read_text(encoding="utf-8", errors="replace").splitlines() if t.strip()]
+
+
 def _prose(seed: int, count: int) -> list[str]:
     """News articles from the Lee corpus (gensim) when installed, else long standard-library docstrings."""
-    texts: list[str] = []
-    try:
-        import importlib.metadata
-
-        lee = Path(importlib.metadata.distribution("gensim").locate_file("gensim/test/test_data/lee_background.cor"))
-        if lee.is_file():
-            texts = [t.strip() for t in lee.read_text(encoding="utf-8", errors="replace").splitlines()
-                     if 600 <= len(t.strip()) <= 1400]
-    except importlib.metadata.PackageNotFoundError:
-        pass
+    texts = [t for t in lee_articles() if 600 <= len(t) <= 1400]
     if not texts:
         root = Path(sysconfig.get_paths()["stdlib"])
         for path in sorted(root.glob("*.py")):
@@ -143,12 +162,47 @@ def repeating(seed: int = 0, count: int = 40) -> list[Prompt]:
     return prompts
 
 
-LOADERS = {"mtbench": mtbench, "humaneval": humaneval, "gsm8k": gsm8k, "copy": copy_heavy, "repeat": repeating}
+def summaries(seed: int = 0, count: int = 10) -> list[Prompt]:
+    """Long summarisation requests: news articles of the Lee corpus (a seeded draw, each used once) joined by blank
+    lines until :data:`SUMMARY_CHARS` characters (about 3,000 SmolLM2 tokens), then :data:`SUMMARY_INSTRUCTION`. The
+    answer restates the text in its own words: little to copy, a long context to verify over. Needs gensim (the
+    corpus ships in it); without it a ``RuntimeError`` says how to install it."""
+    articles = lee_articles()
+    if not articles:
+        raise RuntimeError(f"The summaries set is built from the Lee news corpus, which ships in gensim: {GENSIM}")
+    rng = random.Random(seed)
+    rng.shuffle(articles)
+    prompts = []
+    while articles and len(prompts) < count:
+        parts: list[str] = []
+        while articles and sum(len(p) + 2 for p in parts) < SUMMARY_CHARS:
+            parts.append(articles.pop())
+        if sum(len(p) + 2 for p in parts) < SUMMARY_CHARS:
+            break  # the corpus is used up: no short prompt
+        prompts.append(Prompt("summaries", f"lee{len(prompts)}", "\n\n".join(parts) + f"\n\n{SUMMARY_INSTRUCTION}"))
+    return prompts
+
+
+def demo() -> list[Prompt]:
+    """The prompts of ``hf-specdec demo`` (:func:`hf_specdec.demo.demo_prompts`), the quick demo's
+    (:data:`~hf_specdec.demo.QUICK_PROMPTS`: the paragraph to repeat, the word problem) first; ids are the kind and
+    the index in ``demo_prompts()`` (``copy1``, ``math4``, ...)."""
+    from ..demo import QUICK_PROMPTS, demo_prompts
+
+    prompts = demo_prompts()
+    order = list(QUICK_PROMPTS) + [i for i in range(len(prompts)) if i not in QUICK_PROMPTS]
+    return [Prompt("demo", f"{prompts[i][0]}{i}", prompts[i][1]) for i in order]
+
+
+LOADERS = {"mtbench": mtbench, "humaneval": humaneval, "gsm8k": gsm8k, "copy": copy_heavy, "repeat": repeating,
+           "summaries": summaries, "demo": demo}
+SEEDED = ("copy", "repeat", "summaries")  # the sets drawn with the bench's seed
 
 
 def load(dataset: str, limit: int | None = None, seed: int = 0) -> list[Prompt]:
-    """The first ``limit`` prompts of a set (GSM8K, the copy and the repeating sets are seeded draws already)."""
+    """The first ``limit`` prompts of a set (GSM8K, the copy, repeating and summaries sets are seeded draws
+    already)."""
     if dataset not in LOADERS:
         raise ValueError(f"Unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}.")
-    prompts = LOADERS[dataset](seed) if dataset in ("copy", "repeat") else LOADERS[dataset]()
+    prompts = LOADERS[dataset](seed) if dataset in SEEDED else LOADERS[dataset]()
     return prompts[:limit] if limit else prompts

@@ -30,7 +30,7 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
 * ``cost_curve_ms``: ``{q: median milliseconds of a target forward over q new tokens, ~256-token cache}``, as the
   loop runs it (CPU verification kernels on for q >= 2 unless turned off); ``cost_curve_model_kernels_ms``: the same
   with the model's own kernels (CPU only)
-* ``runs``: one record per (method, prompt): ``method, dataset, prompt_id, new_tokens, seconds,
+* ``runs``: one record per (method, prompt, repeat): ``method, dataset, prompt_id, repeat, new_tokens, seconds,
   prefill_seconds, target_forwards, forward_sizes, target_forward_seconds, drafter_forward_seconds, tau,
   ceiling, identical, loaded, peak_mem_mb`` (peak over the memory in use before the call: RSS on CPU, allocated
   memory on CUDA), ``peak_abs_mb`` (absolute peak), ``steps`` (target forwards after the prefill: the loop's
@@ -113,13 +113,15 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
               batch_size: int = 1, drafter=None, out: str | None = None, memory_check: int = 0,
               progress: bool = True, config: dict | None = None, seed: int = 0,
               background_load: str = "off", curve_sizes: list[int] | None = None, warmup_tokens: int = 10**9,
-              count_syncs: bool = True) -> dict:
+              count_syncs: bool = True, repeats: int = 1) -> dict:
     """Run the baseline and ``methods`` on the first ``limit`` prompts of each of ``datasets``; return the result
     (schema at the top of this module) and write it to ``out`` when given.
 
     ``curve_sizes``: the forward sizes of the cost curve (default 1..32); ``warmup_tokens``: tokens per warm-up call
     (default: ``max_new_tokens``); ``count_syncs``: count the host reads per step of every method (one extra, untimed
-    call per method and dataset; the ``syncs`` entry and the ``syncs_per_step`` column).
+    call per method and dataset; the ``syncs`` entry and the ``syncs_per_step`` column); ``repeats``: rounds per
+    prompt (batch), one after another, the methods' order rotating between them (each run record has its ``repeat``;
+    the summary's medians are over prompts and repeats).
 
     ``background_load``: ``"off"`` (default), ``"on"`` (every timed row under a synthetic load keeping one core
     busy) or ``"both"`` (each prompt quiet and loaded in turn; the summary holds both, loaded keys with the suffix
@@ -133,6 +135,8 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     """
     from tqdm.auto import tqdm
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
     if background_load not in BACKGROUND_LOAD_MODES:
         raise ValueError(f"background_load must be one of {', '.join(BACKGROUND_LOAD_MODES)}, "
                          f"got {background_load!r}.")
@@ -223,7 +227,7 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
     round_load = (lambda: _loaded(load_pids)) if background_load == "both" else nothing
 
     runs = []
-    total = sum((len(p) + batch_size - 1) // batch_size for p in prompts.values()) * len(conditions)
+    total = sum((len(p) + batch_size - 1) // batch_size for p in prompts.values()) * len(conditions) * repeats
     bar = tqdm(total=total, desc="bench", disable=not progress, file=sys.stderr)
     step = 0
     try:
@@ -232,17 +236,17 @@ def run_bench(model, tokenizer, methods: list[BenchMethod], datasets: list[str],
                 for m in methods:  # a prompt set starts with empty cross-call caches
                     for cache in m.caches:
                         cache.clear()
-                for i in range(0, len(plist), batch_size):
+                for i, repeat in ((i, r) for i in range(0, len(plist), batch_size) for r in range(repeats)):
                     batch = plist[i:i + batch_size]
                     enc = _encode(tokenizer, [p.text for p in batch], device)
-                    # the methods in an order that rotates from prompt to prompt; with both load conditions,
+                    # the methods in an order that rotates from round to round; with both load conditions,
                     # which one comes first alternates too
                     order = methods[step % len(methods):] + methods[: step % len(methods)] if methods else []
                     for loaded in (conditions if step % 2 == 0 else conditions[::-1]):
                         with round_load() if loaded else nothing():  # "both": a load per loaded round
                             ref, records = round_of(order, enc)
                         runs.extend(_run_records(records, ref, curve, ds, batch, enc["input_ids"].shape[1], loaded,
-                                                 model.dtype))
+                                                 model.dtype, repeat))
                         bar.update(1)
                     step += 1
     finally:
@@ -302,9 +306,10 @@ def _count_syncs(one, probe: ForwardProbe, methods: list[BenchMethod], enc) -> d
     return report
 
 
-def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool, dtype: torch.dtype) -> list[dict]:
-    """The ``runs`` entries of one round (the baseline and every method on one prompt batch); ``dtype``: the
-    target's."""
+def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool, dtype: torch.dtype,
+                 repeat: int = 0) -> list[dict]:
+    """The ``runs`` entries of one round (the baseline and every method on one prompt batch, its ``repeat``-th
+    round); ``dtype``: the target's."""
     runs = []
     for m, seq, secs, mem, stats, fsizes, fsecs, dsecs in records:
         ran_in = m.model.dtype if m is not None and m.model is not None else dtype
@@ -317,7 +322,7 @@ def _run_records(records, ref, curve, dataset, batch, prompt_len, loaded: bool, 
             forward_seconds = stats["verify_seconds"]
         steps = len(decode_sizes)
         runs.append(dict(
-            method=m.name if m else "plain", dataset=dataset, prompt_id=",".join(p.id for p in batch),
+            method=m.name if m else "plain", dataset=dataset, prompt_id=",".join(p.id for p in batch), repeat=repeat,
             new_tokens=new_tokens, seconds=secs, prefill_seconds=fsecs[0] if fsecs else None,
             target_forwards=len(fsizes), forward_sizes=decode_sizes, steps=steps,
             target_forward_seconds=forward_seconds, drafter_forward_seconds=sum(dsecs),

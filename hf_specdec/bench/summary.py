@@ -41,7 +41,7 @@ def mismatches(result: dict) -> int:
 def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
     by_prompt = {}
     for r in runs:
-        by_prompt.setdefault((r["dataset"], r["prompt_id"]), {})[r["method"]] = r
+        by_prompt.setdefault((r["dataset"], r["prompt_id"], r.get("repeat", 0)), {})[r["method"]] = r
     rows = []
     methods = list(dict.fromkeys(r["method"] for r in runs))
     datasets = list(dict.fromkeys(r["dataset"] for r in runs))
@@ -50,7 +50,7 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
     half = any(r["method"] == "plain" and r.get("dtype", "float32") != "float32" for r in runs)
     for ds in datasets:
         for m in methods:
-            pairs = [(g["plain"], g[m]) for (d, _), g in by_prompt.items() if d == ds and m in g and "plain" in g]
+            pairs = [(g["plain"], g[m]) for (d, *_), g in by_prompt.items() if d == ds and m in g and "plain" in g]
             if not pairs:
                 continue
             base = [p for p, _ in pairs]
@@ -92,7 +92,7 @@ def _summarize(runs: list[dict], curve: dict[int, float]) -> list[dict]:
                                  if all(r.get("stats") for r in mine) else None),
             ))
             for base, key in (("plain_kernels", "speedup_vs_kernels"), (FP32_BASELINE, "speedup_vs_fp32")):
-                pairs = [(g[base], g[m]) for (d, _), g in by_prompt.items() if d == ds and m in g and base in g]
+                pairs = [(g[base], g[m]) for (d, *_), g in by_prompt.items() if d == ds and m in g and base in g]
                 if pairs:  # the median per-prompt ratio against that baseline
                     rows[-1][key] = statistics.median(b["seconds"] / r["seconds"] for b, r in pairs)
             if half:

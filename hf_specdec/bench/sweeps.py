@@ -78,7 +78,7 @@ def batch_summary(per_batch: dict[int, dict]) -> list[dict]:
 
 def _batch_key(run: dict) -> tuple:
     """Which batch (and load condition) a run record timed: the same key for every method on that batch."""
-    return run["dataset"], run["prompt_id"], bool(run.get("loaded"))
+    return run["dataset"], run["prompt_id"], run.get("repeat", 0), bool(run.get("loaded"))
 
 
 def batch_markdown(sweep: dict) -> str:

@@ -50,7 +50,7 @@ def _batch_sizes(text: str) -> list[int]:
 def add_commands(add) -> None:
     """Adds the ``bench`` command through :func:`~hf_specdec.cli.build_parser`'s ``add``."""
     from ..bench import BACKGROUND_LOAD_MODES
-    from ..bench.data import DATASETS
+    from ..bench.data import DATASETS, DEFAULT_DATASETS, GENSIM
     from ..bench.methods import BASELINES
 
     drafter_methods = _drafter_methods()
@@ -70,9 +70,14 @@ def add_commands(add) -> None:
                         + f"; baselines {', '.join(BASELINES)} (plain_kernels: plain decoding with the loop's CPU "
                         "kernel trick, adds a 'vs plain_kernels' column; plain generate() always runs as the "
                         "baseline; options: hf-specdec methods)")
-    p.add_argument("--datasets", type=_dataset_list, default=",".join(DATASETS), metavar="D1,D2",
-                   help=f"prompt sets, comma-separated, of {', '.join(DATASETS)}")
+    p.add_argument("--datasets", type=_dataset_list, default=",".join(DEFAULT_DATASETS), metavar="D1,D2",
+                   help=f"prompt sets, comma-separated, of {', '.join(DATASETS)} (summaries: about 3,000 tokens of "
+                        f"news articles to summarise, needs gensim: {GENSIM}; demo: the demo's prompts, its copy "
+                        "prompt first)")
     p.add_argument("--limit", type=_positive_int, default=10, help="prompts per dataset")
+    p.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
+                   help="time each prompt N times, one round after another (each with plain generate() and every "
+                        "method); the speedups are medians over prompts and repeats")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens generated per prompt")
     p.add_argument("--batch-size", type=_batch_sizes, default=[1], metavar="B[,B...]",
                    help="prompts per generate() call; several (1,2,4,8,16): one run per size on the same prompts and "
@@ -97,7 +102,7 @@ def add_commands(add) -> None:
                    help="'on': run the timed rows while another process keeps one CPU core busy; 'both': every "
                         "prompt quiet and loaded in turn, the report side by side (tau/tau_loaded, "
                         "speedup/speedup_loaded, ...)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the copy set's draw")
+    p.add_argument("--seed", type=int, default=0, help="seed of the copy, repeat and summaries sets' draws")
     p.set_defaults(func=_bench)
 
 
@@ -122,7 +127,7 @@ def _bench(args) -> int:
         methods.append(fp32_baseline(_load_model(args.target, "float32", args.device)[0]))
     config = vars(args) | {"func": None, "dtype": dtype_name(model.dtype)}  # the dtype that ran (after a fallback)
     common = dict(drafter=drafters.get("drafter"), config=config, seed=args.seed,
-                  background_load=args.background_load)
+                  background_load=args.background_load, repeats=args.repeats)
     if len(args.batch_size) > 1:
         sweep = batch_sweep(model, tok, methods, args.datasets, args.batch_size, args.limit, args.max_new_tokens,
                             out=args.out, rounds=args.rounds, **common)

@@ -106,6 +106,9 @@ class Proposer:
             only; :func:`hf_specdec.verify.accept`), or ``None`` for the exact rules.
         rules: the call's adaptive rules (:class:`~hf_specdec.adaptive.Rules`): a proposer with rules of its own
             takes ``state.rules`` in ``begin``; every rule on until then.
+        merges_rows: whether its trees may be merged row by row with another source's drafts in one verification
+            (hybrid drafting, :mod:`.hybrid`); ``False`` for a proposer whose drafting writes into the target's cache
+            (LayerSkip): hybrid drafting then takes the other source for all rows or for none.
     """
 
     target_hidden_states: list[int] | None = None
@@ -113,6 +116,7 @@ class Proposer:
     typical_acceptance: tuple[float, float] | None = None
     max_nodes: int = 1
     name: str = "proposer"
+    merges_rows: bool = True
 
     def draft_modules(self) -> list:
         """The modules only drafting runs (default: ``self.drafter`` when it is one). The target runner may give

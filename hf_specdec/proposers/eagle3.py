@@ -114,11 +114,16 @@ class Eagle3Proposer(FeatureDrafterProposer):
             next_tok = torch.cat([tokens, roots], dim=1).gather(1, following)
         else:
             next_tok = torch.cat([tokens[:, 1:], roots], dim=1)
-        mask = self._context_mask(state, start, end)
+        if not holes and start == 0 and isinstance(self.drafter, Eagle3Drafter):
+            mask = None  # the first feed over a layout without holes: causal, which the drafter's attention does
+        else:
+            mask = self._context_mask(state, start, end)
+        # the root row of a row is its last real column: without holes the last column, whose logits alone are read
         logits, hidden = self._draft_forward(self._on(next_tok), self.features[:, start:end],
-                                             self._on(layout.positions[:, start:end]), mask, step=0)
+                                             self._on(layout.positions[:, start:end]), mask, step=0,
+                                             logits_to_keep=0 if holes else 1)
         self.synced = end
-        if not holes:  # the root row of a row is its last real column: here the last column
+        if not holes:
             return logits[:, -1], hidden[:, -1]
         idx = self._on((layout.last_real() - start).clamp(min=0))
         root_logits = logits.gather(1, idx[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
@@ -152,12 +157,13 @@ class Eagle3Proposer(FeatureDrafterProposer):
         """Back off when the best tree does not pay for its verification and drafting (:meth:`BackOff.judge`)."""
         self.backoff.judge(state, seconds, *(self._worth or (None, None)))
 
-    def _draft_forward(self, tokens, hidden, positions, mask, step: int):
+    def _draft_forward(self, tokens, hidden, positions, mask, step: int, logits_to_keep: int = 0):
         """One drafter forward over rows ``tokens [B, k]`` (``step``: 0 for context rows, ``d`` for the rows that
-        draft depth ``d + 1``, at position ``root + d - 1``); returns ``(logits, hidden)``. A drafter with one module
-        per depth (MTP) picks it. The rows of step ``d >= 1`` take their RoPE from the proposal's table."""
+        draft depth ``d + 1``, at position ``root + d - 1``); returns ``(logits, hidden)``, the logits of the last
+        ``logits_to_keep`` rows only when it is not 0. A drafter with one module per depth (MTP) picks it. The rows of
+        step ``d >= 1`` take their RoPE from the proposal's table."""
         rotary = self._rotary[step - 1] if step and self._rotary is not None else None
-        return self.drafter(tokens, hidden, positions, mask, self.cache, rotary=rotary)
+        return self.drafter(tokens, hidden, positions, mask, self.cache, rotary=rotary, logits_to_keep=logits_to_keep)
 
     def _rotary_table(self, positions: torch.LongTensor):
         """RoPE's ``(cos, sin)`` at the tree rows' positions ``[B, n]``, computed once for all of a proposal's steps:

@@ -1,13 +1,20 @@
 """Hybrid drafting: a model drafter and a drafter-free source (suffix decoding or prompt lookup) in one proposal.
 
-The ``hybrid=`` option of the model-drafter methods (EAGLE-3, DFlash, the draft model, Medusa, MTP) wraps their
-proposer in :class:`HybridProposer`. Every step each row takes the candidate that commits more tokens per unit of
-time: the drafter-free draft's expected tokens (its calibrated probabilities) over its verification cost, against
-what the model drafter's own drafts have committed per step over their verification and drafting cost (running
-figures, measured in this call). When every row takes the drafter-free draft, the model drafter does not draft at
-all this step; otherwise it drafts for the rows that take its drafts, and the rows' drafts are merged into one tree
-for one verification forward. Exact for sampling too: a drafter-free draft in a tree of sampled drafts is given as a
-point mass, for which the speculative-sampling rule is the rule for deterministic drafts.
+The ``hybrid=`` option of the model-drafter methods (the draft model, EAGLE-3, DFlash, Medusa, LayerSkip, MTP) wraps
+their proposer in :class:`HybridProposer`: by default (:func:`source`) with suffix decoding under the adaptive
+schedule, and not under ``draft_length_schedule="constant"`` (the method's own drafts, every step); ``hybrid=False``
+(``hybrid=off`` in command-line and bench strings) turns it off. The default is what keeps a drafter from running
+slower than plain decoding where it does not pay and the text copies (issue 50: the demo's copy prompt, a long
+summarisation prompt; benchmarks/RESULTS.md).
+
+Every step each row takes the candidate that commits more tokens per unit of time: the drafter-free draft's expected
+tokens (its calibrated probabilities) over its verification cost, against what the model drafter's own drafts have
+committed per step over their verification and drafting cost (running figures, measured in this call). When every
+row takes the drafter-free draft, the model drafter does not draft at all this step; otherwise it drafts for the rows
+that take its drafts, and the rows' drafts are merged into one tree for one verification forward (a drafter whose
+trees take no other rows, LayerSkip, drafts for all rows then). Exact for sampling too: a drafter-free draft in a
+tree of sampled drafts is given as a point mass, for which the speculative-sampling rule is the rule for
+deterministic drafts.
 
 The model drafter still reads every verification forward (its features, its cache), whoever drafted.
 """
@@ -15,6 +22,7 @@ The model drafter still reads every verification forward (its features, its cach
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
@@ -24,18 +32,46 @@ from ..syncs import to_device
 from ..tree import DraftTree
 from .base import Proposer, RowDraft, rules_of
 
-HYBRID = Option("hybrid", object, None,
-                "also draft without the model: 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache (suffix decoding "
-                "over it); per row and step the candidate that commits more per unit of time is verified")
+DEFAULT = "suffix"  # the drafter-free source of a model drafter under the adaptive schedule, unless hybrid= says
+
+
+@dataclasses.dataclass(frozen=True)
+class _HybridOption(Option):
+    """``hybrid``: on the command line and in bench strings ``none``, ``off`` and ``false`` turn it off (``False``),
+    as a user writing them means, not "the default"."""
+
+    def parse(self, text: str):
+        return False if text.lower() in ("none", "off", "false", "0", "") else text
+
+
+HYBRID = _HybridOption(
+    "hybrid", object, None,
+    "also draft without the model: 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache (suffix decoding over it); "
+    "per row and step the candidate that commits more per unit of time is verified (default: 'suffix' under the "
+    "adaptive schedule, off under draft_length_schedule='constant'; False or 'off': off)")
+
+
+def source(opts: dict):
+    """The drafter-free source a model-drafter method's resolved options ask for: ``hybrid=`` as given, else
+    :data:`DEFAULT` under the adaptive schedule and none under ``draft_length_schedule="constant"``.
+
+    Example:
+        >>> source({"hybrid": None, "draft_length_schedule": "adaptive"}), source({"hybrid": False})
+        ('suffix', False)
+    """
+    value = opts.get("hybrid")
+    if value is None:
+        return DEFAULT if opts.get("draft_length_schedule", "adaptive") != "constant" else None
+    return value
 
 
 def lookup_proposer(value):
-    """The drafter-free proposer a ``hybrid=`` value names (``None``: no hybrid)."""
+    """The drafter-free proposer a ``hybrid=`` value names (``None``, ``False`` or ``"off"``: no hybrid)."""
     from .prompt_lookup import PromptLookupProposer
     from .suffix import SuffixProposer
     from .suffix_index import SuffixCache
 
-    if value is None or value is False:
+    if value is None or value is False or (isinstance(value, str) and value == "off"):
         return None
     if isinstance(value, SuffixCache):
         return SuffixProposer(cache=value)
@@ -43,7 +79,8 @@ def lookup_proposer(value):
         return SuffixProposer()
     if value == "prompt_lookup":
         return PromptLookupProposer()
-    raise ValueError(f"hybrid must be 'suffix', 'prompt_lookup' or a hf_specdec.SuffixCache, got {value!r}.")
+    raise ValueError(f"hybrid must be 'suffix', 'prompt_lookup', a hf_specdec.SuffixCache, or False / 'off' (no "
+                     f"hybrid drafting), got {value!r}.")
 
 
 class HybridProposer(Proposer):
@@ -103,6 +140,8 @@ class HybridProposer(Proposer):
             if ok and cost is not None and self.rules.hybrid_choice:  # off: the drafter-free draft when there is one
                 ok = d.expected / cost.relative(len(d.tokens) + 1) >= rate
             use.append(ok)
+        if not self.model.merges_rows and not all(u or state.max_drafts[b] == 0 for b, u in enumerate(use)):
+            use = [False] * len(use)  # a drafter whose trees take no other rows (LayerSkip): the model for all rows
         self.lookup.pending = [d if u else None for d, u in zip(drafts, use)]
         self.choice = ["lookup" if u else ("model" if state.max_drafts[b] > 0 else "") for b, u in enumerate(use)]
         if all(u or state.max_drafts[b] == 0 for b, u in enumerate(use)):

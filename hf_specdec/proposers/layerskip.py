@@ -33,7 +33,9 @@ from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
 from ..tree import DraftTree, Resume, build_attention_mask
+from ..syncs import to_device
 from .base import Carried, Proposer, next_draft, rules_of
+from .hybrid import HYBRID
 
 CONSTANT_TOKENS = 4  # draft_length_schedule="constant" when num_speculative_tokens is not given
 MAX_TOKENS = 10  # the longest draft the adaptive length may choose
@@ -70,6 +72,9 @@ class LayerSkipProposer(Proposer):
     """
 
     name = "layerskip"
+    # its drafting writes the early layers' keys/values into the target's cache: its chains verify only as they
+    # are, never merged with another source's rows (hybrid drafting takes that source for all rows or none)
+    merges_rows = False
 
     def __init__(self, exit_layer: int | None = None, adapter: ExitAdapter | None = None,
                  num_tokens: int | None = None, max_tokens: int = MAX_TOKENS, confidence: float | None = None):
@@ -253,13 +258,19 @@ class LayerSkipProposer(Proposer):
 
     def _sync_adapter(self, state, result, fed: int) -> None:
         """Keep the adapter cache to the target layout: drop its rejected columns, and feed the exit states of kept
-        columns it has not seen (an all-accepted chain's last draft; the node of a plain step)."""
+        columns it has not seen (an all-accepted chain's last draft; the node of a plain step; the accepted path of
+        a hybrid's drafter-free tree, which it never saw)."""
         width = max(len(p) for p in result.paths)
         past = state.layout.length - width  # columns before this step
         seen = min(fed, width)
         cache_ops.crop(self.adapter_cache, past + seen)
-        if seen < width:  # a chain: path node i is column past + i
-            self._feed_adapter(state, state.hidden_states[self.exit_layer][:, seen:width], past + seen)
+        if seen == width:
+            return
+        exits = state.hidden_states[self.exit_layer]
+        if not result.is_prefix_paths():  # a tree: path node i of row b is column past + i
+            nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], exits.device)
+            exits = exits.gather(1, nodes[:, :, None].expand(-1, -1, exits.shape[-1]))
+        self._feed_adapter(state, exits[:, seen:width], past + seen)
 
     def on_compact(self, state, index) -> None:
         if self.adapter is not None:
@@ -346,6 +357,7 @@ METHOD = Method(
                f"fixed draft length (default: chosen per step from measured costs, up to {MAX_TOKENS}; "
                f"{CONSTANT_TOKENS} with draft_length_schedule='constant')"),
         SCHEDULE,
+        HYBRID,
     ),
     drafter=DrafterSpec(
         doc="an exit adapter",

@@ -65,8 +65,9 @@ class MTPProposer(Eagle3Proposer):
                 "so they are not used (the output is the target's either way).")
         super().__init__(drafter, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, **tree)
 
-    def _draft_forward(self, tokens, hidden, positions, mask, step: int):
-        return self.drafter(tokens, hidden, positions, mask, self.cache, step=0)  # the first module, at every depth
+    def _draft_forward(self, tokens, hidden, positions, mask, step: int, logits_to_keep: int = 0):
+        # the first module, at every depth
+        return self.drafter(tokens, hidden, positions, mask, self.cache, step=0, logits_to_keep=logits_to_keep)
 
 
 class ParallelHeadsProposer(FeatureDrafterProposer):
