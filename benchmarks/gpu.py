@@ -27,8 +27,10 @@ What runs (random weights, built on the device as vLLM's ``load_format="dummy"``
   accepted per step (the reference continuation along one path of the tree, wrong tokens elsewhere; the tree keeps
   its shape). Chains (assisted, MTP) draft ``--chain-length`` tokens (default ``tau - 1``); EAGLE-3 the reference
   tree (top-k 10, depth 7, 60 tokens); DFlash a full block.
-* beside them, in the same run: stock ``generate()`` (greedy) and transformers' assisted decoding with the target
-  itself as assistant (``hf_assisted``: a second handle on the same weights, ``num_assistant_tokens = tau - 1``,
+* beside them, in the same run: stock ``generate()`` (greedy), ``stock_compiled`` (transformers' own fast path for
+  plain decoding, as it documents it: ``cache_implementation="static"``, whose one-token decode step ``generate()``
+  compiles with ``mode="reduce-overhead"``, CUDA graphs, on a GPU; on a CPU transformers compiles nothing, so there
+  it is the static cache alone) and transformers' assisted decoding with the target itself as assistant (``hf_assisted``: a second handle on the same weights, ``num_assistant_tokens = tau - 1``,
   constant schedule: full acceptance, so the same tau).
 
 Measured per method (batch 1, greedy, ``--reps`` timed calls after an untimed warm-up; medians):
@@ -45,7 +47,12 @@ Measured per method (batch 1, greedy, ``--reps`` timed calls after an untimed wa
 * ``syncs/step``: host reads of tensor values (:class:`hf_specdec.syncs.SyncCounter`) over the steps, in one extra,
   untimed call (counting intercepts every torch call); on CUDA the same call also counts the synchronisations the
   CUDA runtime reports (``torch.cuda.set_sync_debug_mode("warn")``): ``cuda syncs/step``.
-* ``speedup``: stock ``generate()``'s time per decoded token over the method's (first forward excluded from both).
+* ``launches/step``: the kernels the host starts per step (:class:`hf_specdec.launches.LaunchCounter`, in the same
+  untimed call: each operation that does work outside a compiled region one, each compiled region, a graph replay on
+  a GPU, one; the stock rows have no step ranges, so theirs is the whole call over its forwards, prefill included).
+* ``warm-up s``: the untimed first call of the row (where ``compile=true`` and ``stock_compiled`` compile and capture).
+* ``speedup``: stock ``generate()``'s time per decoded token over the method's (first forward excluded from both);
+  ``over stock_compiled``: the same against ``stock_compiled``.
 * ``ideal``: the speedup the method's forwards would give with no drafting and no overhead:
   ``decoded tokens / sum over its verification forwards of c(q) / c(1)``, with ``c(q)`` the measured time of a target
   forward over ``q`` new tokens (``hf_specdec.bench.probes.forward_cost_curve``, the cache filled to the middle of the
@@ -280,6 +287,8 @@ class Runner:
         gen = dict(max_new_tokens=self.args.new_tokens[tau], do_sample=False)
         if name == "stock":
             return gen, None, None, 1
+        if name == "stock_compiled":  # transformers' fast path: a static cache, its decode step auto-compiled on a GPU
+            return {**gen, "cache_implementation": "static"}, None, None, 1
         if name == "hf_assisted":
             handle = assistant_handle(self.model, max(tau - 1, 1))
             return {**gen, "assistant_model": handle}, Forwards(handle), None, tau
@@ -315,16 +324,21 @@ class Runner:
         return record
 
     def count_syncs(self, name: str, tau: int) -> dict:
-        """Host reads per call (SyncCounter) and, on CUDA, the synchronisations the runtime reports."""
+        """Host reads per call (SyncCounter), on CUDA the synchronisations the runtime reports, and in the same call
+        the kernels the host starts per step (LaunchCounter; stock rows have no step ranges: their whole call over
+        their forwards, the prefill's included)."""
+        from hf_specdec.launches import LaunchCounter
         from hf_specdec.syncs import SyncCounter
 
         counter = SyncCounter()
         cuda_syncs = [] if self.device.type == "cuda" and self.args.cuda_sync_debug else None
-        record = self.run(name, tau, counter, cuda_syncs)
+        with LaunchCounter() as launches:
+            record = self.run(name, tau, counter, cuda_syncs)
         steps = max(len(record["target_sizes"]) - 1, 1)
         return {"syncs": counter.count, "steps": steps, "syncs_per_step": counter.count / steps,
                 "syncs_by_name": dict(counter.by_name.most_common()),
-                "cuda_syncs_per_step": len(cuda_syncs) / steps if cuda_syncs is not None else None}
+                "cuda_syncs_per_step": len(cuda_syncs) / steps if cuda_syncs is not None else None,
+                "launches_per_step": launches.per_step() if launches.steps else launches.outside / (steps + 1)}
 
     def close(self):
         self.target.remove()
@@ -374,8 +388,10 @@ _COLUMNS = (("method", "method", ""), ("τ", "tau", ".2f"), ("verify size", "ver
             ("ms/step", "ms_per_step", ".2f"), ("target ms/step", "target_ms_per_step", ".2f"),
             ("draft ms/step", "draft_ms_per_step", ".2f"), ("host ms/step", "host_ms_per_step", ".2f"),
             ("syncs/step", "syncs_per_step", ".1f"), ("cuda syncs/step", "cuda_syncs_per_step", ".1f"),
-            ("tok/s", "tokens_per_s", ".1f"), ("speedup", "speedup", ".2fx"), ("ideal", "ideal_speedup", ".2fx"),
-            ("efficiency", "efficiency", ".2f"), ("identical", "identical", ""))
+            ("launches/step", "launches_per_step", ".0f"), ("tok/s", "tokens_per_s", ".1f"),
+            ("speedup", "speedup", ".2fx"), ("over stock_compiled", "speedup_vs_compiled", ".2fx"),
+            ("ideal", "ideal_speedup", ".2fx"), ("efficiency", "efficiency", ".2f"),
+            ("warm-up s", "warmup_seconds", ".1f"), ("identical", "identical", ""))
 
 
 def _cell(value, fmt: str) -> str:
@@ -563,7 +579,7 @@ def main(argv=None) -> int:
     rows, skipped, sizes = [], [], {1}
     try:
         for tau in args.tau:
-            for name in ["stock"] + list(args.methods):
+            for name in ["stock", "stock_compiled"] + list(args.methods):
                 if time.perf_counter() - started > args.time_limit:
                     skipped.append(f"{name} (tau {tau})")
                     continue
@@ -574,6 +590,7 @@ def main(argv=None) -> int:
                     timed = [runner.run(name, tau) for _ in range(args.reps)]
                 row = summarize(name, tau, timed, args.prompt_len)
                 row.update({k: v for k, v in syncs.items() if k != "steps"})
+                row["warmup_seconds"] = warm["wall"]  # the untimed first call: compilation, graph capture
                 expected = reference[:, : args.prompt_len + args.new_tokens[tau]]
                 row["identical"] = all(torch.equal(r["sequences"], expected) for r in [warm, *timed])
                 rows.append(row)
@@ -586,9 +603,12 @@ def main(argv=None) -> int:
     with torch.no_grad():
         curve = forward_cost_curve(model, ctx, sorted(sizes), reps=5)
     stock = {r["tau_target"]: r for r in rows if r["method"] == "stock"}
+    compiled = {r["tau_target"]: r for r in rows if r["method"] == "stock_compiled"}
     for row in rows:
         base = stock.get(row["tau_target"])
         row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if base else None
+        fast = compiled.get(row["tau_target"])
+        row["speedup_vs_compiled"] = fast["ms_per_token"] / row["ms_per_token"] if fast else None
         row["ideal_speedup"] = ideal_speedup(row, curve)
         row["efficiency"] = row["speedup"] / row["ideal_speedup"] if row["speedup"] is not None else None
     continuation = reference[0, args.prompt_len - 1:]  # the structure worked: greedy next = perm[current]
@@ -597,7 +617,7 @@ def main(argv=None) -> int:
         "schema": SCHEMA,
         "machine": _machine(device),
         "config": {"target": "tiny Llama" if args.tiny else "Llama-3.1-8B-shaped (random weights)",
-                   "dtype": args.dtype, "tau": args.tau, "methods": ["stock", *args.methods],
+                   "dtype": args.dtype, "tau": args.tau, "methods": ["stock", "stock_compiled", *args.methods],
                    "max_new_tokens": {str(t): n for t, n in args.new_tokens.items()}, "steps": args.steps,
                    "prompt_len": args.prompt_len, "reps": args.reps, "chain_length": args.chain_length,
                    "loop_options": {k: str(v) for k, v in loop_options.items()},

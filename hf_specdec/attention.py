@@ -177,9 +177,11 @@ def to_mask(allowed: torch.BoolTensor, fmt: str, dtype: torch.dtype):
 
 
 def mask_rows(mask, start: int):
-    """The rows of queries ``start..`` of a mask :func:`to_mask` made (or a dict of them by layer type)."""
+    """The rows of queries ``start..`` of a mask :func:`to_mask` made (or a dict of them by layer type). A tensor's rows
+    are copied out: a view would start ``start * keys`` elements into the mask's storage, and cuDNN's attention (sdpa
+    on CUDA in half precision) reads such a misaligned mask out of bounds ("misaligned address", issue 51)."""
     if isinstance(mask, dict):
         return {kind: mask_rows(m, start) for kind, m in mask.items()}
     if isinstance(mask, torch.Tensor):
-        return mask[:, :, start:]
+        return mask[:, :, start:].clone() if start else mask  # contiguous() would keep the offset view
     return block_mask(mask.allowed[:, start:])

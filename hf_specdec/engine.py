@@ -45,6 +45,7 @@ from .proposers.base import Proposer
 from .rows import RowBook, Stopper
 from .runners import TargetRunner, call_lock
 from .state import DecodingState
+from .launches import step_range
 from .syncs import to_device
 from .timing import StepTimer
 from .tree import DraftTree
@@ -349,63 +350,64 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     timer = StepTimer(state.device)
 
     while any(state.active):
-        _make_room(state, target, proposer, stats)
+        with step_range():  # a profiler range while one runs (launch counts: hf_specdec.launches)
+            _make_room(state, target, proposer, stats)
 
-        # ---- propose
-        state.max_drafts = rows.budgets()
-        t0 = time.perf_counter()
-        # a batch whose speculation did not pay decodes plainly for a while (costs.SpeculationGate); a constant
-        # schedule (the user's choice) and a single row (the proposers' own rules and back-off) are not gated
-        gated = state.batch_size > 1 and getattr(proposer, "adaptive", True) and state.rules.gate
-        gate = state.cost_model.gate_for(proposer.name) if gated else None
-        with target.drafting():
-            drafting = any(state.max_drafts) and (gate is None or gate.open())
-            tree = proposer.propose(state) if drafting else None
-        if tree is None:
-            tree = DraftTree.chain(state.roots())
-        draft_seconds = time.perf_counter() - t0
-        stats.draft_seconds += draft_seconds
-        if target.static and state.layout.length + tree.num_nodes > target.kv_width:
-            raise RuntimeError("The static cache is too small for this draft tree.")  # pragma: no cover
+            # ---- propose
+            state.max_drafts = rows.budgets()
+            t0 = time.perf_counter()
+            # a batch whose speculation did not pay decodes plainly for a while (costs.SpeculationGate); a constant
+            # schedule (the user's choice) and a single row (the proposers' own rules and back-off) are not gated
+            gated = state.batch_size > 1 and getattr(proposer, "adaptive", True) and state.rules.gate
+            gate = state.cost_model.gate_for(proposer.name) if gated else None
+            with target.drafting():
+                drafting = any(state.max_drafts) and (gate is None or gate.open())
+                tree = proposer.propose(state) if drafting else None
+            if tree is None:
+                tree = DraftTree.chain(state.roots())
+            draft_seconds = time.perf_counter() - t0
+            stats.draft_seconds += draft_seconds
+            if target.static and state.layout.length + tree.num_nodes > target.kv_width:
+                raise RuntimeError("The static cache is too small for this draft tree.")  # pragma: no cover
 
-        # ---- verify: one target forward over every node
-        t0 = time.perf_counter()
-        past = state.layout.length
-        timer.start()
-        logits, state.hidden_states = target.verify(state, tree)  # [B, N, V]
-        # the forward's cost (a resumed one, LayerSkip, is cheaper than the full one the model measures); on CUDA
-        # read from events once they completed, a step or so later, never waiting for them
-        timer.stop(tree.num_nodes if tree.resume is None else None)
-        state.tree_logits = logits
-        noise = state.noise(tree.max_depth() + 1) if state.coupling is not None else None
-        warp = coupled_warp if noise is not None else None
-        # the rule on the device, without the prefixes: greedy without processors, coupled with warpers only
-        on_device = (not state.do_sample and process is None) or warp is not None
-        prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
-        result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
-                        typical=typical, noise=noise, warp=warp)
-        elapsed = time.perf_counter() - t0
-        stats.verify_seconds += elapsed
-        stats.target_forward_passes += 1
-        for nodes, seconds in timer.ready():
-            if nodes is not None:
-                state.cost_model.record(nodes, seconds)
-        unit = state.cost_model.step_seconds() if gate is not None and drafting else None
-        if unit:  # what asking for drafts realised, for the speculation gate (batches only)
-            active = [b for b in range(state.batch_size) if state.active[b]]
-            tokens = sum(len(result.new_tokens[b]) for b in active) / max(len(active), 1)
-            verify = state.cost_model.relative(tree.num_nodes) if tree.resume is None else elapsed / unit
-            gate.record(tokens, verify, draft_seconds / unit, state.rules)
+            # ---- verify: one target forward over every node
+            t0 = time.perf_counter()
+            past = state.layout.length
+            timer.start()
+            logits, state.hidden_states = target.verify(state, tree)  # [B, N, V]
+            # the forward's cost (a resumed one, LayerSkip, is cheaper than the full one the model measures); on CUDA
+            # read from events once they completed, a step or so later, never waiting for them
+            timer.stop(tree.num_nodes if tree.resume is None else None)
+            state.tree_logits = logits
+            noise = state.noise(tree.max_depth() + 1) if state.coupling is not None else None
+            warp = coupled_warp if noise is not None else None
+            # the rule on the device, without the prefixes: greedy without processors, coupled with warpers only
+            on_device = (not state.do_sample and process is None) or warp is not None
+            prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
+            result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
+                            typical=typical, noise=noise, warp=warp)
+            elapsed = time.perf_counter() - t0
+            stats.verify_seconds += elapsed
+            stats.target_forward_passes += 1
+            for nodes, seconds in timer.ready():
+                if nodes is not None:
+                    state.cost_model.record(nodes, seconds)
+            unit = state.cost_model.step_seconds() if gate is not None and drafting else None
+            if unit:  # what asking for drafts realised, for the speculation gate (batches only)
+                active = [b for b in range(state.batch_size) if state.active[b]]
+                tokens = sum(len(result.new_tokens[b]) for b in active) / max(len(active), 1)
+                verify = state.cost_model.relative(tree.num_nodes) if tree.resume is None else elapsed / unit
+                gate.record(tokens, verify, draft_seconds / unit, state.rules)
 
-        # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
-        _keep_accepted(state, tree, result, past)
-        going = [b for b in range(state.batch_size) if state.active[b]]
-        for b in going:
-            stats.count_row(result, b)
-        state.root_positions = state.root_positions + to_device([len(p) for p in result.paths], state.device)
-        rows.commit_rows({b: result.new_tokens[b] for b in going}, result.scores, result.logits)
-        proposer.commit(state, tree, result)
-        rows.settle()
+            # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
+            _keep_accepted(state, tree, result, past)
+            going = [b for b in range(state.batch_size) if state.active[b]]
+            for b in going:
+                stats.count_row(result, b)
+            state.root_positions = state.root_positions + to_device([len(p) for p in result.paths], state.device)
+            rows.commit_rows({b: result.new_tokens[b] for b in going}, result.scores, result.logits)
+            proposer.commit(state, tree, result)
+            rows.settle()
     for nodes, seconds in timer.flush():
         if nodes is not None:
             state.cost_model.record(nodes, seconds)

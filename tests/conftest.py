@@ -52,6 +52,10 @@ def _gate_open(request, monkeypatch):
 
 
 def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", metavar="DEVICE",
+                     help="run the losslessness tests (marked 'device': every method at batch 1 and a padded batch, "
+                          "every attention backend, coupled sampling, compile) with the tiny models on DEVICE (e.g. "
+                          "cuda); the other tests are skipped then (docs/gpu.md)")
     parser.addoption("--jittered-clock", type=int, nargs="?", const=1, default=None, metavar="SEED",
                      help="time.perf_counter jumps ahead at random (up to 50 ms a read), as on a very busy machine: "
                           "a test that passes only with fair timings depends on timing (none may)")
@@ -86,3 +90,24 @@ def steady_clock(monkeypatch):
 
     ticks = itertools.count()
     monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
+
+
+def pytest_configure(config):
+    device = config.getoption("--device")
+    if device != "cpu":
+        import torch
+
+        import tiny
+
+        tiny.DEVICE = torch.device(device)
+        if tiny.DEVICE.type == "cuda" and not torch.cuda.is_available():
+            raise pytest.UsageError(f"--device {device}: torch sees no CUDA device here.")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--device") == "cpu":
+        return
+    skip = pytest.mark.skip(reason="a CPU test: --device runs the tests marked 'device' only")
+    for item in items:
+        if "device" not in item.keywords:
+            item.add_marker(skip)

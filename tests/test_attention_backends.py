@@ -18,7 +18,9 @@ from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
 from hf_specdec.modeling.medusa import MedusaConfig, MedusaHeads
 from eagle3_fixtures import random_weights
 from oracles import OracleTree
-from tiny import VOCAB, prompts, tiny_model
+from tiny import VOCAB, on_device, prompts, tiny_model
+
+pytestmark = pytest.mark.device  # pytest --device cuda runs these there (docs/gpu.md)
 
 KW = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
 FAKE_FLASH = "test_padding_only"  # registered with transformers' flash mask builder
@@ -31,7 +33,7 @@ def _medusa(hidden=32, seed=0):
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.3)
-    return heads
+    return on_device(heads)
 
 
 def _eagle3(target, seed=0):
@@ -40,7 +42,7 @@ def _eagle3(target, seed=0):
                           vocab_size=VOCAB, draft_vocab_size=40, num_target_layers=4)
     drafter = Eagle3Drafter(config)
     drafter.load_state_dict(weights, strict=False)
-    return drafter.eval()
+    return on_device(drafter.eval())
 
 
 def _methods(target, ref):

@@ -16,7 +16,9 @@ from hf_specdec.modeling.eagle3 import Eagle3Config, Eagle3Drafter
 from hf_specdec.runner_choice import runner_for
 from hf_specdec.runners import TargetRunner
 from hf_specdec.tree import build_attention_mask
-from tiny import prompts, tiny_model
+from tiny import on_device, prompts, tiny_model
+
+pytestmark = pytest.mark.device  # pytest --device cuda runs these there (docs/gpu.md)
 
 KW = dict(do_sample=False, eos_token_id=None)
 
@@ -91,7 +93,7 @@ def _eagle3(target):
                           num_target_layers=target.config.num_hidden_layers)
     drafter = Eagle3Drafter(config)
     drafter.load_state_dict(weights, strict=False)
-    return drafter.eval()
+    return on_device(drafter.eval())
 
 
 def test_eagle3_tree_lossless_and_no_recompile_after_warm_up(eager_backend):

@@ -18,6 +18,8 @@ from hf_specdec.hub_cache import write_cached_repo
 from test_syncs import METHODS, V, method, _target
 from tiny import prompts, tiny_model
 
+pytestmark = pytest.mark.device  # pytest --device cuda runs these there (docs/gpu.md)
+
 NEW = 24
 WARP = dict(temperature=0.8, top_p=0.9)
 

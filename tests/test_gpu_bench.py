@@ -37,15 +37,17 @@ def test_tiny_run_reports_every_method(gpu, tmp_path):
     result = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert result["schema"] == "hf_specdec.gpu_bench/1" and result["config"]["greedy_is_permutation"] is True
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"stock", *gpu.METHODS} and not result["skipped"]
+    assert set(rows) == {"stock", "stock_compiled", *gpu.METHODS} and not result["skipped"]
     for name, row in rows.items():
         assert row["identical"] is True, name  # lossless, and the replay kept to the reference
         for key in ("ms_per_step", "target_ms_per_step", "draft_ms_per_step", "host_ms_per_step", "tokens_per_s",
-                    "speedup", "ideal_speedup", "efficiency", "syncs_per_step", "tau"):
+                    "speedup", "ideal_speedup", "efficiency", "syncs_per_step", "tau", "speedup_vs_compiled",
+                    "launches_per_step", "warmup_seconds"):
             assert isinstance(row[key], float) and math.isfinite(row[key]), (name, key)
         assert row["syncs"] >= 0 and sum(row["syncs_by_name"].values()) == row["syncs"]
         assert row["steps"] == len(row["verify_sizes"]) and row["cuda_syncs_per_step"] is None  # CPU
-    assert rows["stock"]["tau"] == 1.0 and rows["stock"]["ideal_speedup"] == 1.0
+    assert rows["stock"]["tau"] == rows["stock_compiled"]["tau"] == 1.0 and rows["stock"]["ideal_speedup"] == 1.0
+    assert all(row["launches_per_step"] > 0 for row in rows.values())
     assert rows["stock"]["draft_ms_per_step"] == 0.0
     # tau 3 (the --tiny default): two drafts accepted per step, but where the budget or a plain step cuts it
     for name in gpu.METHODS:

@@ -8,6 +8,8 @@ import hf_specdec
 from oracles import OracleChain, OracleTree
 from tiny import ARCHS, EOS, prompts, tiny_model, word_tokenizer
 
+pytestmark = pytest.mark.device  # pytest --device cuda runs these there (docs/gpu.md)
+
 MAX_NEW = 24
 
 _models = {}

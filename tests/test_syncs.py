@@ -14,7 +14,7 @@ import torch
 
 import hf_specdec
 from hf_specdec.syncs import SyncCounter
-from tiny import prompts, tiny_model
+from tiny import on_device, prompts, tiny_model
 
 V = 96
 HIDDEN = 32
@@ -33,7 +33,7 @@ def _eagle3():
     config = Eagle3Config(hidden_size=HIDDEN, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                           vocab_size=V, draft_vocab_size=V, num_target_layers=2, target_layer_ids=[0, 1, 2],
                           initializer_range=0.5)
-    return Eagle3Drafter(config).eval()
+    return on_device(Eagle3Drafter(config).eval())
 
 
 def _dflash():
@@ -43,7 +43,7 @@ def _dflash():
     config = DFlashConfig(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                           num_key_value_heads=2, vocab_size=V, block_size=4, mask_token_id=V - 1,
                           target_layer_ids=[0, 1], num_target_layers=2, initializer_range=0.5)
-    return DFlashDrafter(config).eval()
+    return on_device(DFlashDrafter(config).eval())
 
 
 def _medusa():
@@ -54,7 +54,7 @@ def _medusa():
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.5)
-    return heads
+    return on_device(heads)
 
 
 def _mtp(model):
@@ -65,7 +65,7 @@ def _mtp(model):
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0, 0.5) if p.dim() > 1 else None
-    return module.eval()
+    return on_device(module.eval())
 
 
 def method(name: str, model):

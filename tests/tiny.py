@@ -21,6 +21,14 @@ from transformers import (
 
 VOCAB = 96
 PAD, EOS, BOS = 0, 1, 2
+# where the tiny models and prompts live: the CPU, or what ``pytest --device cuda`` names (tests marked ``device`` run
+# there; tests/conftest.py sets it before collection)
+DEVICE = torch.device("cpu")
+
+
+def on_device(module_or_tensor):
+    """``module_or_tensor`` moved to :data:`DEVICE` (the CPU unless ``pytest --device`` names another)."""
+    return module_or_tensor.to(DEVICE)
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "gpt2")
 
 
@@ -79,7 +87,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab: int = VOCAB, layers: i
         setattr(cfg, key, value)
     cfg._attn_implementation = "sdpa"
     model = cls(cfg).eval()
-    return _scale(model, scale)
+    return on_device(_scale(model, scale))
 
 
 def word_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
@@ -110,7 +118,7 @@ def prompts(batch: int = 1, length: int = 10, seed: int = 1, pad: bool = True, r
     for b, r in enumerate(rows):
         ids[b, width - len(r):] = r
         mask[b, width - len(r):] = 1
-    return ids, mask
+    return on_device(ids), on_device(mask)
 
 
 # methods a tiny Llama target cannot run (their tests build their own targets)

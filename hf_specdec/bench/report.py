@@ -15,7 +15,8 @@ _COLUMNS = (  # (header, summary key, format); a trailing "x" in the format is w
     ("vs plain_kernels (median)", "speedup_vs_kernels", ".2fx"), ("vs fp32 stock (median)", "speedup_vs_fp32", ".2fx"),
     ("ceiling", "ceiling", ".2f"), ("efficiency", "efficiency", ".2f"), ("draft share", "draft_share", ".1%"),
     ("loop overhead", "loop_overhead", ".1%"), ("host ms/step", "host_ms_per_step", ".2f"),
-    ("syncs/step", "syncs_per_step", ".1f"), ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
+    ("syncs/step", "syncs_per_step", ".1f"), ("launches/step", "launches_per_step", ".0f"),
+    ("peak +MB", "peak_mem_mb", ".0f"), ("peak MB", "peak_abs_mb", ".0f"),
     ("mismatches", "mismatches", "d"), ("match", "match_rate", ".0%"), ("exact bits", "exact_bits", ""),
 )
 _OPTIONAL_COLUMNS = ("speedup_vs_kernels", "speedup_vs_fp32", "match_rate", "exact_bits")  # shown when a row has them

@@ -39,14 +39,16 @@ JSON schema (``schema: "hf_specdec.bench/1"``):
   for ``plain_fp32``, whose forwards are not probed: no ``tau``, ``ceiling`` or ``host_ms_per_step``)
 * ``summary``: per (method, dataset): ``prompts, tau, tokens_per_s, speedup_median, speedup_total, ceiling,
   efficiency, draft_share, loop_overhead (time outside the target's forwards and the drafting per target forward,
-  relative to one 1-token forward), host_ms_per_step, syncs_per_step, peak_mem_mb, peak_abs_mb, mismatches``,
+  relative to one 1-token forward), host_ms_per_step, syncs_per_step, launches_per_step, peak_mem_mb, peak_abs_mb,
+  mismatches``,
   ``proposed_drafts`` and ``accepted_drafts`` (summed over the prompts; ``None`` for a run without
   ``speculative_stats``), when ``plain_kernels`` ran, ``speedup_vs_kernels`` (median per-prompt ratio against it),
   when ``plain_fp32`` ran, ``speedup_vs_fp32`` (the same against it), and for a half-precision target ``match_rate``
   (the share of the method's runs token-identical to plain ``generate()`` in the same dtype; for ``plain_fp32``,
   informative)
-* ``syncs`` (unless ``count_syncs=False``): ``{dataset: {method: {"count", "steps", "per_step", "by_name"}}}``, the
-  host reads of tensor values (:class:`hf_specdec.syncs.SyncCounter`) of one call per method on the dataset's first
+* ``syncs`` (unless ``count_syncs=False``): ``{dataset: {method: {"count", "steps", "per_step", "by_name",
+  "launches_per_step"}}}``, the host reads of tensor values (:class:`hf_specdec.syncs.SyncCounter`) and the kernels
+  the host starts per step (:class:`hf_specdec.launches.LaunchCounter`) of one call per method on the dataset's first
   prompt (batch)
 * ``memory_check`` (with ``--memory-check N``): resident memory after each of N consecutive calls per method
 * ``background_load``: ``{"mode": "off" | "on" | "both", "processes", "pids"}`` (see below)
@@ -68,7 +70,9 @@ timed with ``perf_counter``, on CUDA with events (the forwards' device time), so
 device does not spend in the target. ``syncs_per_step`` is the number of host reads of tensor values (each one a
 host-device synchronisation on a GPU; :mod:`hf_specdec.syncs`) over the same steps. Counting intercepts every torch
 call, which would slow a timed call, so the reads are counted in one extra, untimed call per method and dataset (its
-first prompt batch, after the warm-up); a call's count is a property of its code path, not of the machine.
+first prompt batch, after the warm-up); a call's count is a property of its code path, not of the machine. The same
+call counts ``launches_per_step``: the kernels the host starts per step (each torch operation that does work outside a
+compiled region, each compiled region one; :mod:`hf_specdec.launches`), the CPU's proxy for a GPU's launch cost.
 
 Besides ``bench.json``, :func:`~hf_specdec.bench.report.write_outputs` writes ``bench.md`` (the table
 :func:`~hf_specdec.bench.report.markdown` prints), ``bench.csv`` (the summary, one row per method and dataset, the
@@ -88,6 +92,7 @@ import torch
 
 from ..dtypes import dtype_name
 from ..entry import decoding_method
+from ..launches import LaunchCounter
 from ..syncs import SyncCounter
 from . import load as load_mod
 from .data import load
@@ -283,15 +288,18 @@ def _loaded(pids: list[int]):
 
 
 def _count_syncs(one, probe: ForwardProbe, methods: list[BenchMethod], enc) -> dict:
-    """``{method: {"count", "steps", "per_step", "by_name"}}``: the host reads of tensor values of one call of plain
-    ``generate()`` and of each method on ``enc`` (:class:`~hf_specdec.syncs.SyncCounter`), over its steps (target
-    forwards after the prefill). A model other than the bench's target (``plain_fp32``) is not probed: its steps are
-    the new tokens."""
+    """``{method: {"count", "steps", "per_step", "by_name", "launches_per_step"}}``: the host reads of tensor values
+    of one call of plain ``generate()`` and of each method on ``enc`` (:class:`~hf_specdec.syncs.SyncCounter`), over
+    its steps (target forwards after the prefill), and in the same call the kernels the host starts per step
+    (:class:`~hf_specdec.launches.LaunchCounter`; plain ``generate()`` has no step ranges: its whole call over its
+    forwards, the prefill's included). A model other than the bench's target (``plain_fp32``) is not probed: its steps
+    are the new tokens."""
     report = {}
     ref = None
     for m in [None] + list(methods):
         counter = SyncCounter()
-        seq, _, _, _ = one(m, enc, ref, counter=counter)
+        with LaunchCounter() as launches:
+            seq, _, _, _ = one(m, enc, ref, counter=counter)
         if m is None:
             ref = seq
         if m is not None and m.model is not None:
@@ -302,6 +310,7 @@ def _count_syncs(one, probe: ForwardProbe, methods: list[BenchMethod], enc) -> d
         report[m.name if m is not None else "plain"] = {
             "count": counter.count, "steps": steps, "per_step": counter.count / steps,
             "by_name": dict(counter.by_name.most_common()),
+            "launches_per_step": launches.per_step() if launches.steps else launches.outside / (steps + 1),
         }
     return report
 

@@ -23,7 +23,9 @@ def summarize(runs: list[dict], curve: dict[int, float], syncs: dict | None = No
     loaded = [r for r in runs if r.get("loaded")]
     rows = _summarize(quiet if quiet and loaded else runs, curve)
     for row in rows:
-        row["syncs_per_step"] = ((syncs or {}).get(row["dataset"], {}).get(row["method"]) or {}).get("per_step")
+        counted = (syncs or {}).get(row["dataset"], {}).get(row["method"]) or {}
+        row["syncs_per_step"] = counted.get("per_step")
+        row["launches_per_step"] = counted.get("launches_per_step")
     if not quiet or not loaded:
         return rows
     under_load = {(r["dataset"], r["method"]): r for r in _summarize(loaded, curve)}

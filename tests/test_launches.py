@@ -1,0 +1,92 @@
+"""Kernel launches per step (hf_specdec.launches): the count's rules, its determinism, and every method's count.
+
+Counts are properties of the code path, never of timing: a call counted twice gives the same figures. Issue 51's
+bound (at most 40 launches per target forward under ``compile=True``) needs the whole step captured; until then the
+tests hold what the counter must do, and ``python tests/test_launches.py`` prints every method's figures.
+"""
+
+import pytest
+import torch
+
+import hf_specdec
+from hf_specdec.compiled import CompiledRunner
+from hf_specdec.launches import LaunchCounter, step_range
+from test_syncs import METHODS, NEW, _inputs, _target, method
+
+
+def test_views_and_allocations_start_no_kernel_and_a_compiled_region_counts_one():
+    x, w = torch.randn(4, 6), torch.ones(5, 6)
+    region = torch.compile(lambda t: (t * 2 + 1).sin().sum(), backend="eager")
+    region(x)  # compiled before counting
+    with LaunchCounter() as launches:
+        x.add(1)  # outside the steps: counted apart
+        with step_range():
+            torch.empty(3).fill_(1.0)  # an allocation (none), a fill (one)
+            torch.nn.functional.linear(x, w)  # linear = t (a view) + matmul = mm: one
+            x[:, 1:].transpose(0, 1).contiguous()  # views, then one copy
+        with step_range():
+            region(x)  # one, whatever runs inside
+    assert launches.steps == 2
+    assert dict(launches.by_name) == {"aten::fill_": 1, "aten::mm": 1, "aten::copy_": 1, "compiled region": 1}
+    assert launches.launches == 4 and launches.per_step() == 2.0
+    assert launches.outside == 1
+
+
+def test_step_range_costs_nothing_without_a_profiler():
+    assert type(step_range()).__name__ == "nullcontext"
+
+
+def count(name: str, bsz: int = 1, compile: bool = False, calls: int = 1) -> tuple[list[LaunchCounter], dict]:
+    """The launches of ``calls`` successive greedy calls of ``name`` on a fresh target (after a first call measured
+    the runner's costs), and the last call's stats. Later calls on one target may count a little less: the CPU
+    kernels check a product on its first uses before they trust it."""
+    model = _target()
+    ids, mask = _inputs(bsz)
+    if compile:  # the one method compiled here: its drafting runs no module
+        custom = hf_specdec.decoding_method(name, draft_length_schedule="constant", compile=True)
+    else:
+        custom = method(name, model)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+              return_dict_in_generate=True, custom_generate=custom)
+    model.generate(**kw)  # warm-up: calibration, first-use imports (and compilation)
+    counters = []
+    for _ in range(calls):
+        with LaunchCounter() as launches:
+            out = model.generate(**kw)
+        counters.append(launches)
+    return counters, out.speculative_stats
+
+
+@pytest.mark.parametrize("name", ["prompt_lookup", "hybrid", "dflash_tree", "suffix"])
+def test_a_call_counts_one_range_per_verification_and_the_same_every_time(name, steady_clock):
+    """Under a clock that reads the same every run (hybrid drafting and the draft lengths follow measured times), a
+    call on a fresh target counts the same every time (after the first in the process, which may fill a module's
+    caches)."""
+    count(name)
+    (first,), stats = count(name)
+    (again,), _ = count(name)
+    assert first.steps == stats["target_forward_passes"] - 1  # every step after the prefill
+    assert first.launches > 0 and first.outside > 0  # the prefill and the call's set-up lie outside the steps
+    assert (again.steps, again.launches, again.by_name) == (first.steps, first.launches, first.by_name)
+
+
+@pytest.fixture()
+def eager_backend(monkeypatch):
+    monkeypatch.setattr(CompiledRunner, "backend", "eager")
+
+
+def test_compiled_verification_is_one_launch(eager_backend):
+    """compile=True: the target's verification forward is one compiled region; the rest of the step still counts
+    its operations (issue 51: the drafting, acceptance and commit are next)."""
+    (eager,), _ = count("prompt_lookup")
+    (compiled,), _ = count("prompt_lookup", compile=True)
+    assert compiled.by_name["compiled region"] == compiled.steps
+    assert compiled.per_step() < eager.per_step()
+
+
+if __name__ == "__main__":  # the figures: python tests/test_launches.py
+    for bsz in (1, 8):
+        for name in METHODS:
+            (launches,), _ = count(name, bsz)
+            print(f"batch {bsz} {name:14s} {launches.per_step():7.1f} launches/step "
+                  f"({launches.steps} steps; most: {launches.by_name.most_common(3)})")
