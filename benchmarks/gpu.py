@@ -21,23 +21,31 @@ What runs (random weights, built on the device as vLLM's ``load_format="dummy"``
   module whose block is a Llama decoder layer), DFlash (``DFlashDrafter``: 5 layers, block 16, taps [1, 8, 15, 22,
   29], mask token 128002; the z-lab Llama-3.1-8B drafter's layer count is not in our reference notes, so this takes
   the published Qwen3-8B-DFlash-b16 shape, with the target's intermediate size) and a one-layer draft model
-  (``assisted``: the target's config with one decoder layer).
+  (``assisted``: the target's config with one decoder layer). The drafter-free methods (prompt lookup, suffix
+  decoding, lookahead) need no drafter but something to copy: when one of them runs, the prompt of every row holds
+  the continuation (:func:`copy_prompt`; it is then ``prompt-len + new tokens + 3`` tokens long). LayerSkip is not
+  replayed: its verification reuses the early layers its drafts went through, so rewritten tokens would not be the
+  ones those layers saw.
 * the replay (:class:`hf_specdec.bench.oracle.ReplayProposer`): each method's proposer runs unchanged, draft
   schedule constant, and its tree's tokens are rewritten on the device so that exactly ``tau - 1`` drafts are
   accepted per step (the reference continuation along one path of the tree, wrong tokens elsewhere; the tree keeps
   its shape). Chains (assisted, MTP) draft ``--chain-length`` tokens (default ``tau - 1``); EAGLE-3 the reference
-  tree (top-k 10, depth 7, 60 tokens); DFlash a full block.
+  tree (top-k 10, depth 7, 60 tokens); DFlash a full block; prompt lookup and suffix decoding chains of
+  ``--chain-length``, lookahead n-grams of ``--chain-length + 1``. With ``--compile both`` (the default on a GPU)
+  every hf_specdec method also runs with ``compile=True`` (rows ``<method>+compile``).
 * beside them, in the same run: stock ``generate()`` (greedy), ``stock_compiled`` (transformers' own fast path for
   plain decoding, as it documents it: ``cache_implementation="static"``, whose one-token decode step ``generate()``
   compiles with ``mode="reduce-overhead"``, CUDA graphs, on a GPU; on a CPU transformers compiles nothing, so there
-  it is the static cache alone) and transformers' assisted decoding with the target itself as assistant (``hf_assisted``: a second handle on the same weights, ``num_assistant_tokens = tau - 1``,
-  constant schedule: full acceptance, so the same tau).
+  it is the static cache alone) and transformers' assisted decoding with the target itself as assistant
+  (``hf_assisted``: a second handle on the same weights, ``num_assistant_tokens = tau - 1``, constant schedule: full
+  acceptance, so the same tau).
 
 Measured per method (batch 1, greedy, ``--reps`` timed calls after an untimed warm-up; medians):
 
 * ``ms/step``: wall time of the call less its first target forward (the prefill), per step (target forwards after
   the first); ``tau``: tokens committed per step.
-* ``target ms/step`` and ``draft ms/step``: time inside the target's and the drafter's forwards (hooks on the
+* ``target ms/step`` and ``draft ms/step`` (the target's is ``–`` under ``compile=True``: a compiled forward passes
+  no module hook, so its time stays in ``host ms/step``, and ``ideal`` / ``efficiency`` are ``–`` too): time inside the target's and the drafter's forwards (hooks on the
   modules; on CUDA, events recorded around each forward and read after the call, so the span a forward occupies on
   the device timeline, no synchronisation added; on the CPU, ``perf_counter``).
 * ``host ms/step`` = ``ms/step - target ms/step - draft ms/step - replay ms/step``: the part of a step outside every
@@ -86,7 +94,10 @@ import torch
 from hf_specdec.bench.probes import ForwardProbe
 
 SCHEMA = "hf_specdec.gpu_bench/1"
-METHODS = ("eagle3", "medusa", "mtp", "dflash", "assisted", "hf_assisted")  # stock generate() always runs
+METHODS = ("eagle3", "medusa", "mtp", "dflash", "assisted", "prompt_lookup", "suffix", "lookahead",
+           "hf_assisted")  # stock generate() and stock_compiled always run
+LOOKUP = ("prompt_lookup", "suffix", "lookahead")  # drafter-free: the prompt holds the continuation (see copy_prompt)
+COMPILE_SUFFIX = "+compile"  # a row of a method run with compile=True
 MEDUSA_HEADS = 5
 EAGLE3_TREE = {"top_k": 10, "depth": 7, "total_tokens": 60}  # the reference's (EaModel defaults)
 TINY_EAGLE3_TREE = {"top_k": 4, "depth": 5, "total_tokens": 16}
@@ -216,14 +227,35 @@ def proposer_options(name: str, tau: int, chain_length: int | None, tiny: bool) 
         opts["medusa_choices"] = "mc_sim_7b_63"
     elif name in ("mtp", "assisted"):
         opts["num_speculative_tokens"] = chain
+    elif name == "prompt_lookup":
+        opts.update(prompt_lookup_num_tokens=chain, max_matching_ngram_size=2)
+    elif name == "suffix":
+        opts.update(max_spec_tokens=chain, use_tree_spec=False)
+    elif name == "lookahead":
+        opts.update(ngram_size=max(chain, 1) + 1, window_size=3, guess_set_size=3)
     return opts
+
+
+def copy_prompt(perm: torch.LongTensor, prompt_len: int, new_tokens: int, start: int = 1) -> torch.LongTensor:
+    """``[1, prompt_len + new_tokens + 3]``: a prompt whose greedy continuation appears in it, for the drafter-free
+    methods. With ``c`` the chain ``start, perm[start], perm[perm[start]], ...`` (the target's greedy walk), the prompt
+    is ``c[P-3 : P+N]`` then ``c[0 : P]``: it ends at ``c[P-1]``, and the bigram before every next token of the
+    continuation occurs in its first part, followed by that continuation (prompt lookup, suffix decoding and
+    lookahead's pool find it; the replay still fixes their acceptance at ``tau - 1``)."""
+    table = perm.cpu().tolist()
+    chain = [start]
+    for _ in range(prompt_len + new_tokens):
+        chain.append(table[chain[-1]])
+    tokens = chain[prompt_len - 3: prompt_len + new_tokens] + chain[:prompt_len]
+    return torch.tensor([tokens], device=perm.device)
 
 
 def deepest_draft(name: str, tau: int, chain_length: int | None, tiny: bool) -> int:
     """The most drafts one step of ``name`` can accept with these options."""
     chain = chain_length if chain_length is not None else max(tau - 1, 1)
+    name = name.removesuffix(COMPILE_SUFFIX)
     return {"eagle3": (TINY_EAGLE3_TREE if tiny else EAGLE3_TREE)["depth"], "medusa": MEDUSA_HEADS,
-            "dflash": (8 if tiny else DFLASH_BLOCK) - 1}.get(name, chain)
+            "dflash": (8 if tiny else DFLASH_BLOCK) - 1, "lookahead": chain}.get(name, chain)
 
 
 # ----------------------------------------------------------------------------------------------------- measuring
@@ -292,12 +324,17 @@ class Runner:
         if name == "hf_assisted":
             handle = assistant_handle(self.model, max(tau - 1, 1))
             return {**gen, "assistant_model": handle}, Forwards(handle), None, tau
-        opts = proposer_options(name, tau, self.args.chain_length, self.args.tiny)
-        inner = hf_specdec.build_proposer(name, self.model, drafter=self.drafters[name], **opts)
+        base = name.removesuffix(COMPILE_SUFFIX)
+        opts = proposer_options(base, tau, self.args.chain_length, self.args.tiny)
+        if base in self.drafters:
+            opts["drafter"] = self.drafters[base]
+        inner = hf_specdec.build_proposer(base, self.model, **opts)
         replay = ReplayProposer(inner, self.reference, tau - 1, self.model.config.vocab_size)
-        method = hf_specdec.decoding_method(replay, **self.loop_options)
+        # compiled rows: the target's graphs live on its runner (one per model), so later calls reuse them
+        loop = {**self.loop_options, **({"compile": True} if name.endswith(COMPILE_SUFFIX) else {})}
+        method = hf_specdec.decoding_method(replay, **loop)
         return ({**gen, "custom_generate": method, "return_dict_in_generate": True},
-                self.drafter_forwards[name], replay, 1)
+                self.drafter_forwards.get(base), replay, 1)
 
     def run(self, name: str, tau: int, counter=None, cuda_syncs: list | None = None):
         """One call of row ``name``; with ``counter`` (a SyncCounter) active around ``generate()``, and with
@@ -334,7 +371,7 @@ class Runner:
         cuda_syncs = [] if self.device.type == "cuda" and self.args.cuda_sync_debug else None
         with LaunchCounter() as launches:
             record = self.run(name, tau, counter, cuda_syncs)
-        steps = max(len(record["target_sizes"]) - 1, 1)
+        steps = _steps(record)
         return {"syncs": counter.count, "steps": steps, "syncs_per_step": counter.count / steps,
                 "syncs_by_name": dict(counter.by_name.most_common()),
                 "cuda_syncs_per_step": len(cuda_syncs) / steps if cuda_syncs is not None else None,
@@ -346,12 +383,24 @@ class Runner:
             f.remove()
 
 
+def _hooks_missed(record: dict) -> bool:
+    """compile=True: the compiled verification bypasses the module's hooks (only the prefill was timed)."""
+    return bool(record["stats"]) and record["stats"]["target_forward_passes"] > len(record["target_sizes"])
+
+
+def _steps(record: dict) -> int:
+    """Target forwards after the prefill: the probe's count, or the loop's own where the probe missed them."""
+    if _hooks_missed(record):
+        return max(record["stats"]["target_forward_passes"] - 1, 1)
+    return max(len(record["target_sizes"]) - 1, 1)
+
+
 def summarize(name: str, tau: int, records: list[dict], prompt_len: int) -> dict:
     """One row from the timed calls of a method (medians over the calls)."""
     per_call = []
     for r in records:
         new = int(r["sequences"].shape[1] - prompt_len)
-        steps = max(len(r["target_sizes"]) - 1, 1)
+        steps = _steps(r)
         first = r["target_seconds"][0] if r["target_seconds"] else 0.0
         decode = r["wall"] - first
         decoded = max(new - min(r["first_commit"], new), 1)
@@ -370,6 +419,8 @@ def summarize(name: str, tau: int, records: list[dict], prompt_len: int) -> dict
     row.update(new_tokens=per_call[0]["new_tokens"], steps=per_call[0]["steps"],
                verify_sizes=per_call[0]["verify_sizes"], decoded=per_call[0]["decoded"])
     row["verify_size"] = statistics.mean(row["verify_sizes"]) if row["verify_sizes"] else None
+    if _hooks_missed(records[0]):  # the target's time is inside the host column: unknown apart
+        row["target_ms_per_step"] = None
     stats = records[0]["stats"]
     if stats:
         row["accepted_drafts"], row["proposed_drafts"] = stats["accepted_drafts"], stats["proposed_drafts"]
@@ -483,6 +534,18 @@ def _method_list(text: str) -> list[str]:
     return [n for n in names if n != "stock"]
 
 
+def rows_of(methods: list[str], compile: str) -> list[str]:
+    """The method rows: each method as it is (``compile`` "off" or "both") and with ``compile=True`` (``"on"`` or
+    ``"both"``: the name with :data:`COMPILE_SUFFIX`); transformers' own assisted mode has no such option."""
+    rows = []
+    for name in methods:
+        if compile != "on" or name == "hf_assisted":
+            rows.append(name)
+        if compile != "off" and name != "hf_assisted":
+            rows.append(name + COMPILE_SUFFIX)
+    return rows
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a tiny config on the CPU (float32), under a minute")
@@ -502,6 +565,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 (--tiny: float32)")
+    p.add_argument("--compile", choices=("off", "on", "both"), default=None,
+                   help="hf_specdec's rows without compile=True (off), with it (on: the target's verification compiled, "
+                        "CUDA graphs on a GPU) or both side by side (default both; --tiny: off)")
     p.add_argument("--loop-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a loop option for every hf_specdec method (repeatable)")
     p.add_argument("--no-cuda-sync-debug", dest="cuda_sync_debug", action="store_false",
@@ -523,6 +589,7 @@ def parse_args(argv=None):
     args.reps = args.reps or (1 if tiny else 2)
     args.device = args.device or ("cpu" if tiny else "cuda")
     args.dtype = args.dtype or ("float32" if tiny else "bfloat16")
+    args.compile = args.compile or ("off" if tiny else "both")
     if args.chain_length is not None and args.chain_length < 1:
         p.error(f"--chain-length must be >= 1, got {args.chain_length}")
     for tau in args.tau:
@@ -571,7 +638,11 @@ def main(argv=None) -> int:
     model, perm = build_target(config, device, dtype, args.seed)
     drafters = build_drafters(model, args.methods, args.tiny, device, dtype, args.seed + 1)
     g = torch.Generator(device="cpu").manual_seed(args.seed)
-    prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=g).to(device)
+    if any(name in LOOKUP for name in args.methods):  # something to copy (the same prompt for every row)
+        prompt = copy_prompt(perm, args.prompt_len, max(args.new_tokens.values()))
+        args.prompt_len = prompt.shape[1]
+    else:
+        prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=g).to(device)
     enc = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
     with torch.no_grad():
         reference = model.generate(**enc, max_new_tokens=max(args.new_tokens.values()), do_sample=False)
@@ -579,7 +650,7 @@ def main(argv=None) -> int:
     rows, skipped, sizes = [], [], {1}
     try:
         for tau in args.tau:
-            for name in ["stock", "stock_compiled"] + list(args.methods):
+            for name in ["stock", "stock_compiled"] + rows_of(args.methods, args.compile):
                 if time.perf_counter() - started > args.time_limit:
                     skipped.append(f"{name} (tau {tau})")
                     continue
@@ -609,8 +680,9 @@ def main(argv=None) -> int:
         row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if base else None
         fast = compiled.get(row["tau_target"])
         row["speedup_vs_compiled"] = fast["ms_per_token"] / row["ms_per_token"] if fast else None
-        row["ideal_speedup"] = ideal_speedup(row, curve)
-        row["efficiency"] = row["speedup"] / row["ideal_speedup"] if row["speedup"] is not None else None
+        row["ideal_speedup"] = ideal_speedup(row, curve) if row["verify_sizes"] or row["tau"] == 1.0 else None
+        ok = row["speedup"] is not None and row["ideal_speedup"] is not None
+        row["efficiency"] = row["speedup"] / row["ideal_speedup"] if ok else None
     continuation = reference[0, args.prompt_len - 1:]  # the structure worked: greedy next = perm[current]
     perm_ok = bool(torch.equal(perm[continuation[:-1]], continuation[1:]))
     result = {
@@ -620,7 +692,7 @@ def main(argv=None) -> int:
                    "dtype": args.dtype, "tau": args.tau, "methods": ["stock", "stock_compiled", *args.methods],
                    "max_new_tokens": {str(t): n for t, n in args.new_tokens.items()}, "steps": args.steps,
                    "prompt_len": args.prompt_len, "reps": args.reps, "chain_length": args.chain_length,
-                   "loop_options": {k: str(v) for k, v in loop_options.items()},
+                   "loop_options": {k: str(v) for k, v in loop_options.items()}, "compile": args.compile,
                    "eagle3_tree": TINY_EAGLE3_TREE if args.tiny else EAGLE3_TREE,
                    "target_params": sum(p.numel() for p in model.parameters()),
                    "drafter_params": {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()},
