@@ -40,7 +40,8 @@ What runs (random weights, built on the device as vLLM's ``load_format="dummy"``
   (``hf_assisted``: a second handle on the same weights, ``num_assistant_tokens = tau - 1``, constant schedule: full
   acceptance, so the same tau).
 
-Measured per method (batch 1, greedy, ``--reps`` timed calls after an untimed warm-up; medians):
+Measured per method (greedy, at each ``--batch`` size, default 1: one set of prompts per size, ``--reps`` timed
+calls after an untimed warm-up; medians; ``tok/s`` counts every row's tokens):
 
 * ``ms/step``: wall time of the call less its first target forward (the prefill), per step (target forwards after
   the first); ``tau``: tokens committed per step.
@@ -411,7 +412,8 @@ def summarize(name: str, tau: int, records: list[dict], prompt_len: int) -> dict
             ms_per_step=1000 * decode / steps, target_ms_per_step=1000 * target / steps,
             draft_ms_per_step=1000 * draft / steps, replay_ms_per_step=1000 * r["replay_seconds"] / steps,
             host_ms_per_step=1000 * (decode - target - draft - r["replay_seconds"]) / steps,
-            ms_per_token=1000 * decode / decoded, tokens_per_s=new / r["wall"], decoded=decoded))
+            ms_per_token=1000 * decode / decoded, tokens_per_s=new * r["sequences"].shape[0] / r["wall"],
+            decoded=decoded))
     row = {"method": name, "tau_target": tau, "calls": len(per_call)}
     for key in ("tau", "ms_per_step", "target_ms_per_step", "draft_ms_per_step", "replay_ms_per_step",
                 "host_ms_per_step", "ms_per_token", "tokens_per_s"):
@@ -459,13 +461,13 @@ def markdown(result: dict) -> str:
     rows = result["rows"]
     columns = [c for c in _COLUMNS if c[1] != "cuda_syncs_per_step" or any(r.get(c[1]) is not None for r in rows)]
     lines = []
-    for tau in dict.fromkeys(r["tau_target"] for r in rows):
-        lines += ["", f"τ = {tau} ({result['machine']['device_name']}, {result['config']['target']}, "
+    for tau, batch in dict.fromkeys((r["tau_target"], r.get("batch", 1)) for r in rows):
+        lines += ["", f"τ = {tau}, batch {batch} ({result['machine']['device_name']}, {result['config']['target']}, "
                       f"{result['config']['dtype']}, {result['config']['max_new_tokens'][str(tau)]} new tokens, "
                       f"prompt {result['config']['prompt_len']})", "",
                   "| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
         for r in rows:
-            if r["tau_target"] == tau:
+            if (r["tau_target"], r.get("batch", 1)) == (tau, batch):
                 lines.append("| " + " | ".join(_cell(r.get(k), f) for _, k, f in columns) + " |")
     curve = result["cost_curve_ms"]
     points = sorted(curve.items(), key=lambda kv: int(kv[0]))
@@ -521,7 +523,7 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"every tau must be >= 1 (tau 1: no draft accepted), got {text!r}")
+        raise argparse.ArgumentTypeError(f"every value must be >= 1 (tau 1: no draft accepted), got {text!r}")
     return values
 
 
@@ -565,6 +567,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 (--tiny: float32)")
+    p.add_argument("--batch", type=_int_list, default=[1], metavar="B[,B...]",
+                   help="batch sizes, one set of prompts each (default 1); rows at each size over stock at that size")
     p.add_argument("--compile", choices=("off", "on", "both"), default=None,
                    help="hf_specdec's rows without compile=True (off), with it (on: the target's verification compiled, "
                         "CUDA graphs on a GPU) or both side by side (default both; --tiny: off)")
@@ -638,47 +642,55 @@ def main(argv=None) -> int:
     model, perm = build_target(config, device, dtype, args.seed)
     drafters = build_drafters(model, args.methods, args.tiny, device, dtype, args.seed + 1)
     g = torch.Generator(device="cpu").manual_seed(args.seed)
-    if any(name in LOOKUP for name in args.methods):  # something to copy (the same prompt for every row)
-        prompt = copy_prompt(perm, args.prompt_len, max(args.new_tokens.values()))
-        args.prompt_len = prompt.shape[1]
-    else:
-        prompt = torch.randint(0, config.vocab_size, (1, args.prompt_len), generator=g).to(device)
-    enc = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
-    with torch.no_grad():
-        reference = model.generate(**enc, max_new_tokens=max(args.new_tokens.values()), do_sample=False)
-    runner = Runner(model, drafters, enc, reference, args, loop_options)
-    rows, skipped, sizes = [], [], {1}
-    try:
-        for tau in args.tau:
-            for name in ["stock", "stock_compiled"] + rows_of(args.methods, args.compile):
-                if time.perf_counter() - started > args.time_limit:
-                    skipped.append(f"{name} (tau {tau})")
-                    continue
-                print(f"[gpu bench] tau {tau}: {name}", file=sys.stderr, flush=True)
-                with torch.no_grad():
-                    warm = runner.run(name, tau)  # untimed: compiles, calibrates the forward costs, fills caches
-                    syncs = runner.count_syncs(name, tau)
-                    timed = [runner.run(name, tau) for _ in range(args.reps)]
-                row = summarize(name, tau, timed, args.prompt_len)
-                row.update({k: v for k, v in syncs.items() if k != "steps"})
-                row["warmup_seconds"] = warm["wall"]  # the untimed first call: compilation, graph capture
-                expected = reference[:, : args.prompt_len + args.new_tokens[tau]]
-                row["identical"] = all(torch.equal(r["sequences"], expected) for r in [warm, *timed])
-                rows.append(row)
-                sizes.update(row["verify_sizes"])
-    finally:
-        runner.close()
+    copying = any(name in LOOKUP for name in args.methods)  # something to copy (the same prompts for every row)
+    if copying:
+        args.prompt_len = copy_prompt(perm, args.prompt_len, max(args.new_tokens.values())).shape[1]
+    rows, skipped, sizes, reference = [], [], {1}, None
+    for batch in args.batch:  # one set of prompts per batch size (batch rows start their walks at other tokens)
+        if copying:
+            prompt = torch.cat([copy_prompt(perm, args.prompt_len - max(args.new_tokens.values()) - 3,
+                                            max(args.new_tokens.values()), start=1 + b) for b in range(batch)])
+        else:
+            prompt = torch.randint(0, config.vocab_size, (batch, args.prompt_len), generator=g).to(device)
+        enc = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
+        with torch.no_grad():
+            reference = model.generate(**enc, max_new_tokens=max(args.new_tokens.values()), do_sample=False)
+        if batch == args.batch[0]:
+            first_reference = reference
+        runner = Runner(model, drafters, enc, reference, args, loop_options)
+        try:
+            for tau in args.tau:
+                for name in ["stock", "stock_compiled"] + rows_of(args.methods, args.compile):
+                    if time.perf_counter() - started > args.time_limit:
+                        skipped.append(f"{name} (tau {tau}, batch {batch})")
+                        continue
+                    print(f"[gpu bench] batch {batch}, tau {tau}: {name}", file=sys.stderr, flush=True)
+                    with torch.no_grad():
+                        warm = runner.run(name, tau)  # untimed: compiles, calibrates the forward costs, fills caches
+                        syncs = runner.count_syncs(name, tau)
+                        timed = [runner.run(name, tau) for _ in range(args.reps)]
+                    row = summarize(name, tau, timed, args.prompt_len)
+                    row.update({k: v for k, v in syncs.items() if k != "steps"})
+                    row["batch"] = batch
+                    row["warmup_seconds"] = warm["wall"]  # the untimed first call: compilation, graph capture
+                    expected = reference[:, : args.prompt_len + args.new_tokens[tau]]
+                    row["identical"] = all(torch.equal(r["sequences"], expected) for r in [warm, *timed])
+                    rows.append(row)
+                    sizes.update(row["verify_sizes"])
+        finally:
+            runner.close()
+    reference = first_reference[:1]
 
     # the forward cost curve at the sizes the rows verified, the cache filled to the middle of a run
     ctx = reference[:, : args.prompt_len + max(args.new_tokens.values()) // 2]
     with torch.no_grad():
         curve = forward_cost_curve(model, ctx, sorted(sizes), reps=5)
-    stock = {r["tau_target"]: r for r in rows if r["method"] == "stock"}
-    compiled = {r["tau_target"]: r for r in rows if r["method"] == "stock_compiled"}
+    stock = {(r["tau_target"], r["batch"]): r for r in rows if r["method"] == "stock"}
+    compiled = {(r["tau_target"], r["batch"]): r for r in rows if r["method"] == "stock_compiled"}
     for row in rows:
-        base = stock.get(row["tau_target"])
+        base = stock.get((row["tau_target"], row["batch"]))
         row["speedup"] = base["ms_per_token"] / row["ms_per_token"] if base else None
-        fast = compiled.get(row["tau_target"])
+        fast = compiled.get((row["tau_target"], row["batch"]))
         row["speedup_vs_compiled"] = fast["ms_per_token"] / row["ms_per_token"] if fast else None
         row["ideal_speedup"] = ideal_speedup(row, curve) if row["verify_sizes"] or row["tau"] == 1.0 else None
         ok = row["speedup"] is not None and row["ideal_speedup"] is not None
@@ -693,6 +705,7 @@ def main(argv=None) -> int:
                    "max_new_tokens": {str(t): n for t, n in args.new_tokens.items()}, "steps": args.steps,
                    "prompt_len": args.prompt_len, "reps": args.reps, "chain_length": args.chain_length,
                    "loop_options": {k: str(v) for k, v in loop_options.items()}, "compile": args.compile,
+                   "batch": args.batch,
                    "eagle3_tree": TINY_EAGLE3_TREE if args.tiny else EAGLE3_TREE,
                    "target_params": sum(p.numel() for p in model.parameters()),
                    "drafter_params": {n: sum(p.numel() for p in d.parameters()) for n, d in drafters.items()},

@@ -72,7 +72,7 @@ def test_refuses_without_cuda(gpu, monkeypatch, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--tiny", "--tau", "7", "--methods", "medusa"], "--tau 7: medusa accepts at most 5 drafts per step"),
     (["--tiny", "--methods", "eagle3,nope"], "unknown method"),
-    (["--tiny", "--tau", "0"], "every tau must be >= 1"),
+    (["--tiny", "--tau", "0"], "every value must be >= 1"),
 ])
 def test_bad_arguments_name_the_fix(gpu, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -140,3 +140,16 @@ def test_compiled_rows(gpu, tmp_path):
     row = rows["prompt_lookup+compile"]
     assert row["identical"] is True and row["tau"] == 3.0 and row["target_ms_per_step"] is None
     assert row["warmup_seconds"] > 0 and row["launches_per_step"] > 0
+
+
+def test_batches(gpu, tmp_path):
+    """--batch 1,3: a row per method and size, each size over stock at that size, every row the target's greedy
+    output for its batch (the replay keeps tau 3 in every row of the batch)."""
+    assert gpu.main(["--tiny", "--max-new-tokens", "16", "--batch", "1,3", "--methods", "prompt_lookup,medusa",
+                     "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gpu_bench.json").read_text())["rows"]
+    assert {(r["method"], r["batch"]) for r in rows} == {
+        (m, b) for m in ("stock", "stock_compiled", "prompt_lookup", "medusa") for b in (1, 3)}
+    assert all(r["identical"] for r in rows)
+    assert all(r["tau"] == 3.0 for r in rows if r["method"] == "prompt_lookup")
+    assert "τ = 3, batch 3" in (tmp_path / "gpu_bench.md").read_text()
