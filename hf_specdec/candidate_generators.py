@@ -23,7 +23,6 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import LogitsProcessorList
 
-from . import registry
 from ._transformers import run_assisted_decoding
 from .attention import needs_switch, verifiable_attention
 from .cache import CacheLayout
@@ -32,6 +31,7 @@ from .placement import drafter_device
 from .proposers import DraftModelProposer, PromptLookupProposer
 from .proposers.prompt_lookup import MAX_NGRAM, NUM_TOKENS
 from .proposers.build import build_proposer
+from .proposers.hybrid import alone
 from .state import DecodingState
 from .tree import DraftTree
 from .verify import AcceptResult
@@ -160,9 +160,7 @@ def in_transformers_loop(method: str, **opts):
 
     def run(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, drafter=None,
             **model_kwargs):
-        options = dict(opts)
-        if "hybrid" in registry.get(method).option_names and options.get("hybrid") is None:
-            options["hybrid"] = False
+        options = alone(method, dict(opts))
         if drafter is not None:
             options["drafter"] = drafter
         proposer = build_proposer(method, model, **options)

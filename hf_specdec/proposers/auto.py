@@ -29,18 +29,18 @@ schedules, or nothing set, take this library's adaptive length (from measured co
 the heuristics approximate; a confidence threshold that was set stops a chain after a draft less likely than it
 (``assisted`` / ``layerskip``). The output is the target's either way: greedy identical to ``generate()``, sampling
 exact. ``assistant_ensemble_weight`` (transformers' lossy mixture) is refused. The chosen method drafts as transformers'
-candidate generator does, without the hybrid drafting the model-drafter methods take by default (``hybrid=`` given
-to the call turns it on).
+candidate generator does, without the hybrid drafting the model-drafter methods take by default
+(:func:`~hf_specdec.proposers.hybrid.alone`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import registry
 from ..draft_models import load_draft_model
 from ..registry import DrafterSpec, Method, Option
 from .build import build_proposer
+from .hybrid import alone
 
 GEMMA4_ASSISTANTS = ("Gemma4Assistant", "Gemma4UnifiedAssistant")  # class name prefixes transformers checks
 TRANSFORMERS_NGRAM = 2  # transformers' prompt lookup default for max_matching_ngram_size
@@ -138,9 +138,7 @@ def choose(target, opts: dict) -> tuple[str, dict]:
 
 def _build(target, opts):
     method, chosen = choose(target, opts)
-    if "hybrid" in registry.get(method).option_names:
-        chosen.setdefault("hybrid", False)  # the drafts transformers' candidate generator would make, no others
-    return build_proposer(method, target, **chosen)
+    return build_proposer(method, target, **alone(method, chosen))  # the drafts transformers' generator would make
 
 
 METHOD = Method(

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from .. import registry
 from ..registry import Option
 from ..syncs import to_device
 from ..tree import DraftTree
@@ -63,6 +64,19 @@ def source(opts: dict):
     if value is None:
         return DEFAULT if opts.get("draft_length_schedule", "adaptive") != "constant" else None
     return value
+
+
+def alone(method: str, opts: dict) -> dict:
+    """``opts`` of ``method`` with hybrid drafting off unless ``hybrid=`` is among them: the method's own drafts only,
+    as transformers' candidate generators make them (``auto``; a proposer run in transformers' own loop).
+
+    Example:
+        >>> alone("prompt_lookup", {}), alone("eagle3", {})["hybrid"], alone("eagle3", {"hybrid": "suffix"})["hybrid"]
+        ({}, False, 'suffix')
+    """
+    if "hybrid" in registry.get(method).option_names and opts.get("hybrid") is None:
+        return {**opts, "hybrid": False}
+    return opts
 
 
 def lookup_proposer(value):
