@@ -147,7 +147,12 @@ def dropped_mask_length(generation_config) -> int | None:
 def set_static_layer_length(layer, length: int) -> None:
     """After the loop moved a ``StaticLayer``'s columns in place: the number of columns it now holds (its
     ``cumulative_length`` tensor, what ``get_seq_length`` and the next write read). Checked: 5.24.0, 5.25.0."""
-    layer.cumulative_length.fill_(length)
+    static_layer_length(layer).fill_(length)
+
+
+def static_layer_length(layer) -> torch.Tensor:
+    """A ``StaticLayer``'s count of the columns it holds: its ``cumulative_length`` tensor. Checked: 5.24.0, 5.25.0."""
+    return layer.cumulative_length
 
 
 def load_with_conversions(module, state: dict, model_type: str):

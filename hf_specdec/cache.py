@@ -199,6 +199,36 @@ def keep_columns(cache: Cache, start: int, index: torch.LongTensor) -> None:
             layer.values = torch.cat([values[:, :, :start], pick(values)], dim=2)
 
 
+def path_columns(valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor,
+                 keep: torch.BoolTensor, root_positions: torch.LongTensor, depths: torch.LongTensor,
+                 tree_tokens: torch.LongTensor, path_nodes: torch.LongTensor | None):
+    """A layout's ``(valid, positions, tokens)`` with the columns of a verified tree's kept paths appended: ``keep
+    [B, W]`` which of the ``W`` columns are real, the path nodes ``path_nodes [B, W]`` (``None``: nodes ``0..W-1``,
+    a chain), each at ``root_position + depth`` (one function of tensors: the compiled runner runs it as one
+    region)."""
+    width = keep.shape[1]
+    if path_nodes is None:
+        new_positions, new_tokens = root_positions[:, None] + depths[:, :width], tree_tokens[:, :width]
+    else:
+        new_positions = root_positions[:, None] + depths.gather(1, path_nodes)
+        new_tokens = tree_tokens.gather(1, path_nodes)
+    return (torch.cat([valid, keep], dim=1), torch.cat([positions, new_positions], dim=1),
+            torch.cat([tokens, new_tokens], dim=1))
+
+
+def keep_static_columns(keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[torch.Tensor],
+                        start: int, index: torch.LongTensor | None, width: int) -> None:
+    """:func:`keep_columns` (``index`` given) or :func:`crop` to ``start + width`` (``None``) of static layers, from
+    their tensors (one function of tensors: the compiled runner runs it as one region)."""
+    for layer_keys, layer_values, length in zip(keys, values, lengths):
+        if index is not None:
+            for buf in (layer_keys, layer_values):
+                picked = buf[:, :, start:].gather(2, index[:, None, :, None].expand(-1, buf.shape[1], -1,
+                                                                                    buf.shape[3]))
+                buf[:, :, start:start + width] = picked
+        length.fill_(start + width)
+
+
 def gather_columns(cache: Cache, index: torch.LongTensor) -> None:
     """Rebuild every row from the columns ``index[b, :]`` (``[B, T']``); the cache then holds ``T'`` columns."""
     length = index.shape[1]
@@ -235,11 +265,14 @@ class CacheLayout:
         return self.valid.shape[1]
 
     def append(self, valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor,
-               counts: list[int] | None = None) -> None:
-        """Append columns; ``counts`` the real columns per row among them (host data)."""
-        self.valid = torch.cat([self.valid, valid], dim=1)
-        self.positions = torch.cat([self.positions, positions], dim=1)
-        self.tokens = torch.cat([self.tokens, tokens], dim=1)
+               counts: list[int] | None = None, joined: bool = False) -> None:
+        """Append columns; ``counts`` the real columns per row among them (host data). ``joined``: the tensors given
+        are the whole layout's, the new columns appended already (:func:`path_columns`)."""
+        if not joined:
+            valid = torch.cat([self.valid, valid], dim=1)
+            positions = torch.cat([self.positions, positions], dim=1)
+            tokens = torch.cat([self.tokens, tokens], dim=1)
+        self.valid, self.positions, self.tokens = valid, positions, tokens
         if self.counts is not None:
             self.counts = [a + b for a, b in zip(self.counts, counts)] if counts is not None else None
 

@@ -28,12 +28,19 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from . import cache as cache_ops
+from ._transformers import static_layer_length
+from .attention import TENSOR, tree_mask_format
 from .dtypes import HALF
 from .runners import TargetRunner, TargetSession, device_type_of, logger
+from .tree import tree_inputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification sizes; past the last one, multiples of it
 RECOMPILE_LIMIT = 64  # graphs per compiled forward (sizes x batch sizes x hidden-state sets) before dynamo gives up
@@ -60,10 +67,47 @@ class CompiledSession(TargetSession):
         self.runner.note_cache_length(self.kv_width)
         self.cuda = device_type_of(self.model) == "cuda"
         self._past: int | None = None  # cached columns before the next forward's (set by verify)
+        self._parts: list | None = None  # the proposers whose propose runs compiled for the call
+
+    def __exit__(self, *exc) -> None:
+        for part in self._parts or ():
+            part.__dict__.pop("propose", None)  # the class's own propose again
+        super().__exit__(*exc)
+
+    def propose(self, proposer, state):
+        """The proposal with the proposer's network parts (:meth:`~hf_specdec.proposers.Proposer.network_parts`)
+        drafting through their compiled ``propose`` (:meth:`CompiledRunner.compiled_propose`), set on the instances
+        for the call."""
+        if self._parts is None:
+            self._parts = proposer.network_parts()
+            for part in self._parts:
+                part.propose = functools.partial(self.runner.compiled_propose(type(part)), part)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), warnings.catch_warnings():
+            # the proposers' clocks are where dynamo splits a proposal, as meant: not worth a warning
+            warnings.filterwarnings("ignore", "Dynamo does not know how to trace the builtin `time.", UserWarning)
+            return proposer.propose(state)
 
     def verify(self, state, tree):
         self._past = state.layout.length
         return super().verify(state, tree)
+
+    def keep_columns(self, start: int, index, width: int) -> None:
+        layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        if not all(isinstance(layer, StaticLayer) for layer in layers) or (
+                index is not None and any(layer.keys.device != index.device for layer in layers)):
+            return super().keep_columns(start, index, width)  # placed on other devices: layer by layer
+        self.runner.fused(cache_ops.keep_static_columns)(
+            [layer.keys for layer in layers], [layer.values for layer in layers],
+            [static_layer_length(layer) for layer in layers], start, index, width)
+
+    def _tree_inputs(self, state, tree):
+        if tree_mask_format(self.text_config) != TENSOR:  # a flex BlockMask is built outside compiled code
+            return super()._tree_inputs(state, tree)
+        anc, depths, positions, mask = self.runner.fused(tree_inputs)(
+            self.text_config, tree.parents, tree.valid, tree.is_chain, state.root_positions, state.layout.valid,
+            state.layout.positions, self.dtype, self.kv_width)
+        tree.set_facts(anc, depths)
+        return positions, mask
 
     def forward(self, input_ids, attention_mask, position_ids, with_hidden: bool = True):
         """The compiled forward over ``input_ids [B, q]`` padded to ``bucket_size(q)`` nodes (fewer where the static
@@ -134,6 +178,32 @@ class CompiledRunner(TargetRunner):
         self.compiled = torch.compile(model.forward, backend=self.backend, mode=self.mode, dynamic=False)
         self.cache_length = self.MIN_CACHE
         self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
+        self.proposals: dict = {}  # proposer class -> its compiled propose; a fused function -> its compiled self
+
+    def compiled_propose(self, cls: type):
+        """``cls.propose`` through ``torch.compile`` (called with the instance first), made once per class.
+
+        Dynamic shapes (dynamo's default: a size that changed between calls becomes symbolic), as the drafters' own
+        caches grow a column per drafted token; dynamo splits the proposal into graphs at what it cannot trace (a
+        host read, a clock), each a compiled region. Inductor's default mode on a GPU too: CUDA graphs need the fixed
+        shapes of static drafter caches, which the drafters do not have yet."""
+        if cls not in self.proposals:
+            self.proposals[cls] = torch.compile(cls.propose, backend=self.backend, dynamic=None)
+        return self.proposals[cls]
+
+    def fused(self, fn):
+        """``fn`` through ``torch.compile`` with dynamic shapes (made once per function): a function of the step's
+        tensors (a tree's mask, the acceptance rule, the cache commit) as one compiled region."""
+        if fn not in self.proposals:
+            compiled = torch.compile(fn, backend=self.backend, dynamic=None)
+
+            @functools.wraps(fn)
+            def run(*args, **kwargs):
+                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                    return compiled(*args, **kwargs)
+
+            self.proposals[fn] = run
+        return self.proposals[fn]
 
     def cache_for_call(self, cache):
         """An empty static cache at least as long as every earlier call's (the loop sizes the one it runs with from

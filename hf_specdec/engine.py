@@ -362,7 +362,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             gate = state.cost_model.gate_for(proposer.name) if gated else None
             with target.drafting():
                 drafting = any(state.max_drafts) and (gate is None or gate.open())
-                tree = proposer.propose(state) if drafting else None
+                tree = target.propose(proposer, state) if drafting else None
             if tree is None:
                 tree = DraftTree.chain(state.roots())
             draft_seconds = time.perf_counter() - t0
@@ -385,7 +385,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             on_device = (not state.do_sample and process is None) or warp is not None
             prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
             result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
-                            typical=typical, noise=noise, warp=warp)
+                            typical=typical, noise=noise, warp=warp, fused=target.runner.fused)
             elapsed = time.perf_counter() - t0
             stats.verify_seconds += elapsed
             stats.target_forward_passes += 1
@@ -400,7 +400,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
                 gate.record(tokens, verify, draft_seconds / unit, state.rules)
 
             # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
-            _keep_accepted(state, tree, result, past)
+            _keep_accepted(state, tree, result, past, target)
             going = [b for b in range(state.batch_size) if state.active[b]]
             for b in going:
                 stats.count_row(result, b)
@@ -434,7 +434,7 @@ def _make_room(state: DecodingState, target, proposer: Proposer, stats: Speculat
     stats.compactions += 1
 
 
-def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, past: int) -> None:
+def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, past: int, target) -> None:
     """Keep the accepted path's columns of the ``N`` verified ones (after ``past``) in the cache and the layout."""
     kept = [len(p) for p in result.paths]
     width = max(kept)
@@ -445,15 +445,11 @@ def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, 
     else:
         path_nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], state.device)  # [B, W]
     keep = to_device([[j < k for j in range(width)] for k in kept], state.device, dtype=torch.bool)
-    if result.is_prefix_paths():  # nodes 0..width-1 at depths 0..width-1 (a chain): no gathers
-        cache_ops.crop(state.cache, past + width)
-        positions = state.root_positions[:, None] + tree.depths[:, :width]
-        tokens = tree.tokens[:, :width]
-    else:
-        cache_ops.keep_columns(state.cache, past, path_nodes)
-        positions = state.root_positions[:, None] + tree.depths.gather(1, path_nodes)
-        tokens = tree.tokens.gather(1, path_nodes)
-    state.layout.append(keep, positions, tokens, counts=kept)
+    target.keep_columns(past, path_nodes, width)
+    layout = state.layout
+    columns = target.runner.fused(cache_ops.path_columns)(layout.valid, layout.positions, layout.tokens, keep,
+                                                          state.root_positions, tree.depths, tree.tokens, path_nodes)
+    layout.append(*columns, counts=kept, joined=True)
 
 
 def _continue_from(given, state: DecodingState, proposer: Proposer) -> tuple[int, object]:

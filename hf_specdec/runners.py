@@ -83,6 +83,19 @@ class TargetSession:
         """Around every proposal: work inside is drafting cost."""
         return contextlib.nullcontext()
 
+    def keep_columns(self, start: int, index: torch.LongTensor | None, width: int) -> None:
+        """After a verification: keep the cache's columns ``start + index[b, j]`` at ``start + j`` (``index [B,
+        width]``; ``None``: columns ``start..start + width - 1`` stay where they are) and drop the rest."""
+        if index is None:
+            cache_ops.crop(self.cache, start + width)
+        else:
+            cache_ops.keep_columns(self.cache, start, index)
+
+    def propose(self, proposer, state):
+        """``proposer``'s drafts for the step (:meth:`hf_specdec.proposers.Proposer.propose`; a backend may run the
+        drafting its own way)."""
+        return proposer.propose(state)
+
     def forward_context(self, tokens_per_row: int) -> contextlib.AbstractContextManager:
         """Around every target forward that scores ``tokens_per_row`` new tokens per row after the prefill."""
         return contextlib.nullcontext()
@@ -129,13 +142,18 @@ class TargetSession:
         """One forward over every node of ``tree`` (``DraftTree``, ``N`` nodes per row) at positions
         ``root_position + depth``, with the tree mask over the cache layout. Returns ``(logits [B, N, V] fp32,
         hidden_states or None)``; the cache then holds the ``N`` new columns after ``state.layout.length``."""
-        positions = state.root_positions[:, None] + tree.depths  # [B, N]
-        mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, positions,
-                                    tree.ancestors, self.dtype, kv_width=self.kv_width)
+        positions, mask = self._tree_inputs(state, tree)
         if tree.resume is not None:
             return self._resume(tree, mask, positions)
         out = self.forward(tree.tokens, mask, positions)
         return out.logits.float(), self._hidden(out)
+
+    def _tree_inputs(self, state, tree):
+        """The tree's positions ``[B, N]`` (``root_position + depth``) and its attention mask over the cache layout."""
+        positions = state.root_positions[:, None] + tree.depths  # [B, N]
+        mask = build_attention_mask(self.text_config, state.layout.valid, state.layout.positions, positions,
+                                    tree.ancestors, self.dtype, kv_width=self.kv_width)
+        return positions, mask
 
     def _resume(self, tree, mask, positions):
         """:meth:`verify` for a tree whose first nodes already went through layers ``0..E-1`` (``tree.resume``):
@@ -198,6 +216,11 @@ class TargetRunner:
     def applies_to(cls, model) -> bool:
         """Whether this runner can run ``model`` (the plain runner runs any model)."""
         return True
+
+    def fused(self, fn):
+        """``fn`` (a function of tensors of the loop's step) as this runner runs it: itself here; compiled into one
+        region by the compiled runner (:meth:`hf_specdec.compiled.CompiledRunner.fused`)."""
+        return fn
 
     @property
     def cost_prior(self) -> dict[int, float]:

@@ -161,17 +161,13 @@ class DraftTree:
         if self._ancestors is None:
             n = self.num_nodes
             device = self.tokens.device
-            if self.is_chain:
-                anc = _lower_triangle(n, device)
-            else:
-                nodes = torch.arange(n, device=device)
-                reach = (self.parents[:, :, None] == nodes) | (nodes[:, None] == nodes)  # [B, N, N] parent or self
-                reach = reach.float()
-                for _ in range(max(n - 1, 1).bit_length()):
-                    reach = (torch.bmm(reach, reach) > 0).float()
-                anc = reach.bool()
+            anc = _lower_triangle(n, device) if self.is_chain else _reach(self.parents)
             self._ancestors = anc & self.valid[:, None, :]
         return self._ancestors
+
+    def set_facts(self, ancestors: torch.BoolTensor, depths: torch.LongTensor) -> None:
+        """Its :attr:`ancestors` and :attr:`depths`, computed elsewhere (:func:`tree_inputs`)."""
+        self._ancestors, self._depths = ancestors, depths
 
     def children(self, b: int) -> list[list[int]]:
         """Children of every node of row ``b``, in node order (the order drafts are tried when sampling)."""
@@ -193,6 +189,35 @@ class DraftTree:
 
 
 _CONSTANTS: dict = {}  # small constant tensors per shape and device (chain parents, triangles): made once
+
+
+def _reach(parents: torch.LongTensor) -> torch.BoolTensor:
+    """``[B, N, N]``: node ``j`` is node ``i`` or one of its ancestors, from the parent matrix by repeated squaring
+    (paths double in length each round, so ``log2(N)`` rounds)."""
+    n = parents.shape[1]
+    nodes = torch.arange(n, device=parents.device)
+    reach = ((parents[:, :, None] == nodes) | (nodes[:, None] == nodes)).float()  # [B, N, N] parent or self
+    for _ in range(max(n - 1, 1).bit_length()):
+        reach = (torch.bmm(reach, reach) > 0).float()
+    return reach.bool()
+
+
+def tree_inputs(config, parents: torch.LongTensor, valid: torch.BoolTensor, chain: bool,
+                root_positions: torch.LongTensor, past_valid: torch.BoolTensor, past_positions: torch.LongTensor,
+                dtype: torch.dtype, kv_width: int | None):
+    """A tree's verification inputs in one function of tensors (what the compiled runner compiles as one region):
+    ``(ancestors [B, N, N], depths [B, N], positions [B, N], mask)``, as :attr:`DraftTree.ancestors`,
+    :attr:`DraftTree.depths` and :func:`build_attention_mask` give them."""
+    n = parents.shape[1]
+    if chain:
+        anc = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril()[None]
+    else:
+        anc = _reach(parents)
+    anc = anc & valid[:, None, :]
+    depths = (anc.sum(-1) - 1).masked_fill(~valid, 0)
+    positions = root_positions[:, None] + depths
+    mask = build_attention_mask(config, past_valid, past_positions, positions, anc, dtype, kv_width=kv_width)
+    return anc, depths, positions, mask
 
 
 def _chain_parents(bsz: int, n: int, device) -> torch.LongTensor:

@@ -84,6 +84,7 @@ def accept(
     typical: tuple[float, float] | None = None,
     noise: torch.Tensor | None = None,
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    fused: Callable | None = None,
 ) -> AcceptResult:
     """Apply the acceptance rule to a verified tree.
 
@@ -100,13 +101,16 @@ def accept(
             (``W > tree.max_depth()``); ``do_sample`` is then False.
         warp: coupled sampling with warpers only: applies them to ``[n, V]`` scores at once (then ``process`` is
             not used).
+        fused: how the runner runs a function of the step's tensors (:meth:`~hf_specdec.runners.TargetRunner.fused`:
+            the compiled runner compiles the greedy rule into one region), or ``None``.
     """
     if typical is not None and not do_sample:
         raise ValueError("typical acceptance is a sampling rule; greedy decoding is always exact.")
     if noise is not None and (process is None or warp is not None):
         return _coupled(tree, logits, noise, warp, active, want_scores, want_logits)
     if not do_sample and process is None:
-        return _greedy(tree, logits, active, want_scores, want_logits)
+        return _greedy(tree, logits, active, want_scores, want_logits,
+                       fused=fused(greedy_rule) if fused is not None else None)
     bsz = tree.batch_size
     paths, new_tokens = [], []
     scores = [] if want_scores else None
@@ -137,35 +141,47 @@ def accept(
 
 
 def _greedy(tree: DraftTree, logits: torch.Tensor, active: list[bool], want_scores: bool,
-            want_logits: bool) -> AcceptResult:
-    """The greedy rule on the device, for chains and trees, with one host read: a node is kept when its token is
-    the target's argmax at its parent and every ancestor is kept; the deepest kept node ends the path (the first
-    in node order among equals) and the target's argmax there is the next token."""
-    bsz, n = tree.tokens.shape
+            want_logits: bool, fused=None) -> AcceptResult:
+    """The greedy rule on the device, for chains and trees, with one host read (:func:`greedy_rule`, through
+    ``fused`` when given: the runner's way of running a function of the step's tensors)."""
+    chain = tree.is_chain
+    drafts = tree.host_drafts if chain else None
+    rule = fused or greedy_rule
+    packed, order = rule(tree.tokens, tree.parents, tree.valid, None if chain else tree.ancestors,
+                         None if chain else tree.depths, logits, chain, drafts is None)
+    rows = packed.tolist()  # the step's one host read
+    if drafts is not None:
+        rows = [row[:2] + [d] + row[2:] for row, d in zip(rows, drafts)]
+    return _result(rows, tree.num_nodes, logits, active, want_scores, want_logits, order, chain=chain)
+
+
+def greedy_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torch.BoolTensor,
+                ancestors: torch.BoolTensor | None, depths: torch.LongTensor | None, logits: torch.Tensor,
+                chain: bool, count_drafts: bool = True):
+    """The greedy rule over a tree's tensors: a node is kept when its token is the target's argmax at its parent and
+    every ancestor is kept; the deepest kept node ends the path (the first in node order among equals) and the
+    target's argmax there is the next token. Returns ``(packed [B, ...], order [B, N])``: per row ``[accepted, next
+    token, (drafts,) (path nodes,) path tokens, argmax per node]`` (drafts when ``count_drafts``; path nodes for trees
+    only: a chain's are ``0..accepted``) and the path's nodes first, in depth order. A chain needs no ``ancestors`` or
+    ``depths``."""
+    bsz, n = tokens.shape
     choice = logits.argmax(-1)  # [B, N]
     nodes = torch.arange(n, device=choice.device)
-    if tree.is_chain:  # the path is nodes 0..n_acc: only the counts, the tokens and the choices come back
-        match = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
+    counted = [valid.sum(1, keepdim=True) - 1] if count_drafts else []
+    if chain:  # the path is nodes 0..n_acc: only the counts, the tokens and the choices come back
+        match = (tokens[:, 1:] == choice[:, :-1]) & valid[:, 1:]
         n_acc = match.cumprod(1).sum(1)  # [B]
         nxt = choice.gather(1, n_acc[:, None])
-        drafts = tree.host_drafts
-        counted = [] if drafts is not None else [tree.valid.sum(1, keepdim=True) - 1]
-        rows = torch.cat([n_acc[:, None], nxt, *counted, tree.tokens, choice], 1).tolist()
-        if drafts is not None:
-            rows = [row[:2] + [d] + row[2:] for row, d in zip(rows, drafts)]
-        return _result(rows, n, logits, active, want_scores, want_logits, nodes.expand(bsz, n), chain=True)
-    ok = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))) & tree.valid
+        return torch.cat([n_acc[:, None], nxt, *counted, tokens, choice], 1), nodes.expand(bsz, n)
+    ok = (tokens == choice.gather(1, parents.clamp(min=0))) & valid
     ok[:, 0] = True
-    kept = ~(tree.ancestors & ~ok[:, None, :]).any(-1) & tree.valid  # every ancestor (itself included) ok
-    last = torch.where(kept, tree.depths, -1).argmax(1)  # [B] the first of the deepest kept nodes
-    path = tree.ancestors[torch.arange(bsz, device=choice.device), last]  # [B, N] its ancestors
+    kept = ~(ancestors & ~ok[:, None, :]).any(-1) & valid  # every ancestor (itself included) ok
+    last = torch.where(kept, depths, -1).argmax(1)  # [B] the first of the deepest kept nodes
+    path = ancestors[torch.arange(bsz, device=choice.device), last]  # [B, N] its ancestors
     order = torch.where(path, nodes, n).sort(1).values.clamp(max=n - 1)  # path nodes first, in depth order
     n_acc = path.sum(1) - 1
     nxt = choice.gather(1, last[:, None])
-    packed = torch.cat([n_acc[:, None], nxt, tree.valid.sum(1, keepdim=True) - 1, order,
-                        tree.tokens.gather(1, order), choice], dim=1)
-    rows = packed.tolist()  # the step's one host read
-    return _result(rows, n, logits, active, want_scores, want_logits, order, chain=False)
+    return torch.cat([n_acc[:, None], nxt, *counted, order, tokens.gather(1, order), choice], dim=1), order
 
 
 def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, active: list[bool],

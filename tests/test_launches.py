@@ -1,14 +1,14 @@
 """Kernel launches per step (hf_specdec.launches): the count's rules, its determinism, and every method's count.
 
 Counts are properties of the code path, never of timing: a call counted twice gives the same figures. Issue 51's
-bound (at most 40 launches per target forward under ``compile=True``) needs the whole step captured; until then the
-tests hold what the counter must do, and ``python tests/test_launches.py`` prints every method's figures.
+bound, at most 40 launches per target forward under ``compile=True``, is held here for the methods whose compilation
+is quick on a CPU; ``python tests/test_launches.py`` prints every method's figures, eager and compiled (LayerSkip's
+resumed verification still runs eagerly, above the bound).
 """
 
 import pytest
 import torch
 
-import hf_specdec
 from hf_specdec.compiled import CompiledRunner
 from hf_specdec.launches import LaunchCounter, step_range
 from test_syncs import METHODS, NEW, _inputs, _target, method
@@ -42,18 +42,18 @@ def count(name: str, bsz: int = 1, compile: bool = False, calls: int = 1) -> tup
     kernels check a product on its first uses before they trust it."""
     model = _target()
     ids, mask = _inputs(bsz)
-    if compile:  # the one method compiled here: its drafting runs no module
-        custom = hf_specdec.decoding_method(name, draft_length_schedule="constant", compile=True)
-    else:
-        custom = method(name, model)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
-              return_dict_in_generate=True, custom_generate=custom)
+              return_dict_in_generate=True, custom_generate=method(name, model))
+    if compile:
+        kw["compile"] = True
     model.generate(**kw)  # warm-up: calibration, first-use imports (and compilation)
     counters = []
     for _ in range(calls):
         with LaunchCounter() as launches:
             out = model.generate(**kw)
         counters.append(launches)
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
+    assert torch.equal(out.sequences, plain), f"{name} (compile={compile}) differs from plain greedy"
     return counters, out.speculative_stats
 
 
@@ -75,18 +75,22 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(CompiledRunner, "backend", "eager")
 
 
-def test_compiled_verification_is_one_launch(eager_backend):
-    """compile=True: the target's verification forward is one compiled region; the rest of the step still counts
-    its operations (issue 51: the drafting, acceptance and commit are next)."""
-    (eager,), _ = count("prompt_lookup")
-    (compiled,), _ = count("prompt_lookup", compile=True)
-    assert compiled.by_name["compiled region"] == compiled.steps
-    assert compiled.per_step() < eager.per_step()
+@pytest.mark.parametrize("name", ["prompt_lookup", "lookahead", "eagle3_chain"])
+def test_compiled_steps_launch_at_most_40(name, eager_backend):
+    """compile=True (dynamo's graphs, counted as inductor's would be): the verification forward, the drafters'
+    proposal, the tree's mask, the greedy rule and the cache commit are compiled regions of one launch each; the
+    step launches at most 40 (issue 51's bound), far fewer than eagerly, and decodes as plain greedy does."""
+    (eager,), _ = count(name)
+    (compiled,), _ = count(name, compile=True)
+    assert compiled.by_name["compiled region"] >= 4 * compiled.steps  # verify, mask, rule, commit (+ drafting)
+    assert compiled.per_step() <= 40, compiled.by_name.most_common(8)
+    assert compiled.per_step() < eager.per_step() / 2
 
 
 if __name__ == "__main__":  # the figures: python tests/test_launches.py
     for bsz in (1, 8):
         for name in METHODS:
-            (launches,), _ = count(name, bsz)
-            print(f"batch {bsz} {name:14s} {launches.per_step():7.1f} launches/step "
-                  f"({launches.steps} steps; most: {launches.by_name.most_common(3)})")
+            for compiled in (False, True):
+                (launches,), _ = count(name, bsz, compile=compiled)
+                print(f"batch {bsz} {name:14s} {'compiled' if compiled else 'eager':8s} {launches.per_step():7.1f} "
+                      f"launches/step ({launches.steps} steps; most: {launches.by_name.most_common(3)})")

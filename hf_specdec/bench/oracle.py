@@ -94,6 +94,9 @@ class ReplayProposer(Proposer):
     def draft_modules(self) -> list:
         return self.inner.draft_modules()
 
+    def network_parts(self) -> list:
+        return self.inner.network_parts()
+
     def prepare(self, model) -> None:
         self.inner.prepare(model)
 

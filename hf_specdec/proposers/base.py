@@ -124,6 +124,13 @@ class Proposer:
         drafter = getattr(self, "drafter", None)
         return [drafter] if isinstance(drafter, torch.nn.Module) else []
 
+    def network_parts(self) -> list["Proposer"]:
+        """The proposers (this one, or parts of it) whose :meth:`propose` runs a drafter network. With
+        ``compile=True`` the runner compiles their ``propose`` for the call (:mod:`hf_specdec.compiled`), which is
+        only worth it where drafting is tensor work: a proposer drafting from host data (n-gram tables, text) has
+        none. Default: this proposer when it has :meth:`draft_modules`."""
+        return [self] if self.draft_modules() else []
+
     def prepare(self, model) -> None:
         """Called before the target's prefill: check the proposer fits ``model`` and set ``target_hidden_states``."""
 

@@ -125,6 +125,9 @@ class HybridProposer(Proposer):
     def draft_modules(self) -> list:
         return self.model.draft_modules()
 
+    def network_parts(self) -> list:
+        return self.model.network_parts()  # the suffix lookup drafts from host data
+
     def prepare(self, model) -> None:
         self.model.prepare(model)
         self.lookup.prepare(model)

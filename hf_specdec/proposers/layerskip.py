@@ -98,6 +98,9 @@ class LayerSkipProposer(Proposer):
         return [] if self.adapter is None else [self.adapter] + ([self.adapter.head] if self.adapter.head is not None
                                                                   else [])
 
+    def network_parts(self) -> list:
+        return [self]  # the target's first layers draft, with or without an adapter
+
     def prepare(self, model) -> None:
         DecoderStack.check(model)
         n = model.config.get_text_config().num_hidden_layers

@@ -226,6 +226,9 @@ class UniversalProposer(Proposer):
     def draft_modules(self) -> list:
         return [self.drafter] + ([self.head] if self.head is not None else [])
 
+    def network_parts(self) -> list:
+        return []  # each proposal re-tokenizes text on the host between the drafter's forwards
+
     def prepare(self, model) -> None:
         for what, tok, m in (("tokenizer", self.tokenizer, model), ("assistant_tokenizer", self.assistant_tokenizer,
                                                                     self.drafter)):
