@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache, DynamicLayer, StaticCache, StaticLayer, StaticSlidingWindowLayer
 
-from ._transformers import DynamicSlidingWindowLayer, set_static_layer_length
+from ._transformers import DynamicSlidingWindowLayer, set_static_layer_length, static_layer_length
 
 
 class UnsupportedCacheError(ValueError):
@@ -188,10 +188,7 @@ def keep_columns(cache: Cache, start: int, index: torch.LongTensor) -> None:
         keys, values = layer.keys, layer.values
         idx = index.to(keys.device)
         if isinstance(layer, StaticLayer):
-            for buf in (keys, values):
-                picked = buf[:, :, start:].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
-                buf[:, :, start:start + m] = picked
-            set_static_layer_length(layer, start + m)
+            keep_static_columns([keys], [values], [static_layer_length(layer)], start, idx, m)
         else:
             def pick(buf):
                 return buf[:, :, start:].gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
@@ -264,14 +261,10 @@ class CacheLayout:
     def length(self) -> int:
         return self.valid.shape[1]
 
-    def append(self, valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor,
-               counts: list[int] | None = None, joined: bool = False) -> None:
-        """Append columns; ``counts`` the real columns per row among them (host data). ``joined``: the tensors given
-        are the whole layout's, the new columns appended already (:func:`path_columns`)."""
-        if not joined:
-            valid = torch.cat([self.valid, valid], dim=1)
-            positions = torch.cat([self.positions, positions], dim=1)
-            tokens = torch.cat([self.tokens, tokens], dim=1)
+    def grow(self, valid: torch.BoolTensor, positions: torch.LongTensor, tokens: torch.LongTensor,
+             counts: list[int] | None = None) -> None:
+        """Take the layout ``(valid, positions, tokens)`` that :func:`path_columns` made: these columns, then new ones
+        with ``counts`` real columns per row (host data)."""
         self.valid, self.positions, self.tokens = valid, positions, tokens
         if self.counts is not None:
             self.counts = [a + b for a, b in zip(self.counts, counts)] if counts is not None else None

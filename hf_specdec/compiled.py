@@ -68,6 +68,8 @@ class CompiledSession(TargetSession):
         self.cuda = device_type_of(self.model) == "cuda"
         self._past: int | None = None  # cached columns before the next forward's (set by verify)
         self._parts: list | None = None  # the proposers whose propose runs compiled for the call
+        self._cache_device = None  # the static cache's one device, False if several (set on the first commit)
+        self._tensor_masks: bool | None = None  # the call's tree masks are tensors (set on first verification)
 
     def __exit__(self, *exc) -> None:
         for part in self._parts or ():
@@ -76,13 +78,13 @@ class CompiledSession(TargetSession):
 
     def propose(self, proposer, state):
         """The proposal with the proposer's network parts (:meth:`~hf_specdec.proposers.Proposer.network_parts`)
-        drafting through their compiled ``propose`` (:meth:`CompiledRunner.compiled_propose`), set on the instances
+        drafting through their compiled ``propose`` (:meth:`CompiledRunner.fused`), set on the instances
         for the call."""
         if self._parts is None:
             self._parts = proposer.network_parts()
             for part in self._parts:
-                part.propose = functools.partial(self.runner.compiled_propose(type(part)), part)
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), warnings.catch_warnings():
+                part.propose = functools.partial(self.runner.fused(type(part).propose), part)
+        with warnings.catch_warnings():
             # the proposers' clocks are where dynamo splits a proposal, as meant: not worth a warning
             warnings.filterwarnings("ignore", "Dynamo does not know how to trace the builtin `time.", UserWarning)
             return proposer.propose(state)
@@ -93,15 +95,22 @@ class CompiledSession(TargetSession):
 
     def keep_columns(self, start: int, index, width: int) -> None:
         layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
-        if not all(isinstance(layer, StaticLayer) for layer in layers) or (
-                index is not None and any(layer.keys.device != index.device for layer in layers)):
-            return super().keep_columns(start, index, width)  # placed on other devices: layer by layer
+        if self._cache_device is None:  # after the prefill every layer is filled: decided once per call
+            devices = {layer.keys.device for layer in layers}
+            one = len(devices) == 1 and all(isinstance(layer, StaticLayer) for layer in layers)
+            self._cache_device = devices.pop() if one else False
+        if self._cache_device is False:  # layers placed on several devices: one at a time
+            return super().keep_columns(start, index, width)
+        if index is not None:
+            index = index.to(self._cache_device)
         self.runner.fused(cache_ops.keep_static_columns)(
             [layer.keys for layer in layers], [layer.values for layer in layers],
             [static_layer_length(layer) for layer in layers], start, index, width)
 
     def _tree_inputs(self, state, tree):
-        if tree_mask_format(self.text_config) != TENSOR:  # a flex BlockMask is built outside compiled code
+        if self._tensor_masks is None:  # the call's attention (switched for the call on entering the session)
+            self._tensor_masks = tree_mask_format(self.text_config) == TENSOR
+        if not self._tensor_masks:  # a flex BlockMask is built outside compiled code
             return super()._tree_inputs(state, tree)
         anc, depths, positions, mask = self.runner.fused(tree_inputs)(
             self.text_config, tree.parents, tree.valid, tree.is_chain, state.root_positions, state.layout.valid,
@@ -178,23 +187,17 @@ class CompiledRunner(TargetRunner):
         self.compiled = torch.compile(model.forward, backend=self.backend, mode=self.mode, dynamic=False)
         self.cache_length = self.MIN_CACHE
         self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
-        self.proposals: dict = {}  # proposer class -> its compiled propose; a fused function -> its compiled self
-
-    def compiled_propose(self, cls: type):
-        """``cls.propose`` through ``torch.compile`` (called with the instance first), made once per class.
-
-        Dynamic shapes (dynamo's default: a size that changed between calls becomes symbolic), as the drafters' own
-        caches grow a column per drafted token; dynamo splits the proposal into graphs at what it cannot trace (a
-        host read, a clock), each a compiled region. Inductor's default mode on a GPU too: CUDA graphs need the fixed
-        shapes of static drafter caches, which the drafters do not have yet."""
-        if cls not in self.proposals:
-            self.proposals[cls] = torch.compile(cls.propose, backend=self.backend, dynamic=None)
-        return self.proposals[cls]
+        self.compiled_fns: dict = {}  # a function of the step (or a proposer's propose) -> its compiled self
 
     def fused(self, fn):
-        """``fn`` through ``torch.compile`` with dynamic shapes (made once per function): a function of the step's
-        tensors (a tree's mask, the acceptance rule, the cache commit) as one compiled region."""
-        if fn not in self.proposals:
+        """``fn`` through ``torch.compile`` with dynamic shapes, made once per function: a function of the step's
+        tensors (a tree's mask, the acceptance rule, the cache commit) as one compiled region, or a proposer class's
+        ``propose`` (called with the instance first; dynamo splits it into regions where it reads the host or a clock).
+
+        Dynamic shapes (dynamo's default: a size that changed between calls becomes symbolic), as the drafters' own
+        caches and the layout grow every step; so inductor's default mode on a GPU too: CUDA graphs need fixed shapes
+        (static drafter caches, a fixed-width layout), which the loop does not have yet."""
+        if fn not in self.compiled_fns:
             compiled = torch.compile(fn, backend=self.backend, dynamic=None)
 
             @functools.wraps(fn)
@@ -202,8 +205,8 @@ class CompiledRunner(TargetRunner):
                 with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     return compiled(*args, **kwargs)
 
-            self.proposals[fn] = run
-        return self.proposals[fn]
+            self.compiled_fns[fn] = run
+        return self.compiled_fns[fn]
 
     def cache_for_call(self, cache):
         """An empty static cache at least as long as every earlier call's (the loop sizes the one it runs with from

@@ -449,7 +449,7 @@ def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, 
     layout = state.layout
     columns = target.runner.fused(cache_ops.path_columns)(layout.valid, layout.positions, layout.tokens, keep,
                                                           state.root_positions, tree.depths, tree.tokens, path_nodes)
-    layout.append(*columns, counts=kept, joined=True)
+    layout.grow(*columns, counts=kept)
 
 
 def _continue_from(given, state: DecodingState, proposer: Proposer) -> tuple[int, object]:

@@ -150,7 +150,7 @@ class DraftTree:
         would otherwise place them past it (GPT-2's position table has ``n_positions`` rows).
         """
         if self._depths is None:
-            self._depths = (self.ancestors.sum(-1) - 1).masked_fill(~self.valid, 0)
+            self._depths = _depths(self.ancestors, self.valid)
         return self._depths
 
     @property
@@ -161,8 +161,8 @@ class DraftTree:
         if self._ancestors is None:
             n = self.num_nodes
             device = self.tokens.device
-            anc = _lower_triangle(n, device) if self.is_chain else _reach(self.parents)
-            self._ancestors = anc & self.valid[:, None, :]
+            self._ancestors = _ancestors(self.parents, self.valid, _lower_triangle(n, device) if self.is_chain
+                                         else None)
         return self._ancestors
 
     def set_facts(self, ancestors: torch.BoolTensor, depths: torch.LongTensor) -> None:
@@ -202,6 +202,16 @@ def _reach(parents: torch.LongTensor) -> torch.BoolTensor:
     return reach.bool()
 
 
+def _ancestors(parents: torch.LongTensor, valid: torch.BoolTensor, triangle: torch.BoolTensor | None):
+    """:attr:`DraftTree.ancestors` from the parents; a chain's is ``triangle`` (``[N, N]`` lower), masked by ``valid``."""
+    return (triangle if triangle is not None else _reach(parents)) & valid[:, None, :]
+
+
+def _depths(ancestors: torch.BoolTensor, valid: torch.BoolTensor) -> torch.LongTensor:
+    """:attr:`DraftTree.depths` from the ancestors (padding nodes: depth 0)."""
+    return (ancestors.sum(-1) - 1).masked_fill(~valid, 0)
+
+
 def tree_inputs(config, parents: torch.LongTensor, valid: torch.BoolTensor, chain: bool,
                 root_positions: torch.LongTensor, past_valid: torch.BoolTensor, past_positions: torch.LongTensor,
                 dtype: torch.dtype, kv_width: int | None):
@@ -209,12 +219,10 @@ def tree_inputs(config, parents: torch.LongTensor, valid: torch.BoolTensor, chai
     ``(ancestors [B, N, N], depths [B, N], positions [B, N], mask)``, as :attr:`DraftTree.ancestors`,
     :attr:`DraftTree.depths` and :func:`build_attention_mask` give them."""
     n = parents.shape[1]
-    if chain:
-        anc = torch.ones(n, n, dtype=torch.bool, device=parents.device).tril()[None]
-    else:
-        anc = _reach(parents)
-    anc = anc & valid[:, None, :]
-    depths = (anc.sum(-1) - 1).masked_fill(~valid, 0)
+    # made here, not taken from the constants' cache: a compiled function reads no module-level dict
+    anc = _ancestors(parents, valid, torch.ones(n, n, dtype=torch.bool, device=parents.device).tril() if chain
+                     else None)
+    depths = _depths(anc, valid)
     positions = root_positions[:, None] + depths
     mask = build_attention_mask(config, past_valid, past_positions, positions, anc, dtype, kv_width=kv_width)
     return anc, depths, positions, mask
