@@ -124,7 +124,7 @@ def test_shipped_drafters_are_the_default_for_smollm2(smollm2, tmp_path, monkeyp
 
 def test_manual_seed_gives_plains_text_with_the_shipped_drafters(smollm2):
     """Issue 50: ``torch.manual_seed(0)`` before each sampled call (T 0.8, top-p 0.95): every method with its shipped
-    drafter, loaded by its first call and reused by the next, draws plain's seed and gives plain's text."""
+    drafter (EAGLE-3's loaded by its first call and reused by a second) draws plain's seed and gives plain's text."""
     from hf_specdec import registry
 
     if hf_specdec.shipped_drafter("eagle3") is None:
@@ -142,7 +142,7 @@ def test_manual_seed_gives_plains_text_with_the_shipped_drafters(smollm2):
     registry.REGISTRY.drafters.clear()
     for method in ("eagle3", "prompt_lookup", "medusa", "dflash", "assisted", "mtp", "layerskip"):
         assert run(method) == ref, method
-        assert run(method) == ref, method
+    assert run("eagle3") == ref  # its drafter reused from the first call
 
 
 def test_bf16_verification_gives_every_tree_node_its_one_token_step_bits(smollm2):
@@ -156,7 +156,7 @@ def test_bf16_verification_gives_every_tree_node_its_one_token_step_bits(smollm2
 
     model, _ = default_model.load_smollm2(dtype=torch.bfloat16, verbose=False)  # smollm2: skips without the wheel
     runner = runner_for(model)
-    trees = ((8, 0.0), (17, 0.5), (33, 0.5), (40, 0.5))
+    trees = ((8, 0.0), (33, 0.5))  # a chain, and a bush of more than 32 nodes
     assert probe_exact_bits(runner, "exact", trees) and runner.exact_bits("exact")
     if runner.exact_bits("auto"):
         assert probe_exact_bits(runner, "auto", trees)
