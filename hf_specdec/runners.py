@@ -31,7 +31,7 @@ import torch
 
 from . import cache as cache_ops
 from ._transformers import supports_logits_to_keep
-from .attention import mask_rows, verifiable_attention
+from .attention import verifiable_attention
 from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
 from .dtypes import HALF
 from .placement import drafter_device
@@ -163,30 +163,17 @@ class TargetSession:
 
         if self._stack is None:
             self._stack = DecoderStack(self.model)
-        stack, exit_layer, done = self._stack, tree.resume.layer, tree.resume.hidden.shape[1]
+        stack, exit_layer = self._stack, tree.resume.layer
         wanted = self.forward_kwargs.get("output_hidden_states") or []
         if any(i < exit_layer for i in wanted):
             raise ValueError(f"A resumed verification has no hidden states before layer {exit_layer}; asked for "
                              f"{sorted(wanted)}.")
 
-        rows = mask_rows  # the mask rows of nodes start..N-1
-
+        pieces = _pieces(exit_layer, stack.num_layers, wanted)
         with self.forward_context(tree.num_nodes):
-            hidden = stack.embed(tree.tokens[:, done:])
-            if hidden.shape[1]:
-                rest = positions[:, done:]
-                hidden = stack.run(hidden, 0, exit_layer, rows(mask, done), stack.rotary(hidden, rest), rest,
-                                   self.cache)
-            hidden = torch.cat([tree.resume.hidden.to(hidden.device, hidden.dtype), hidden], dim=1)
-            captured = {exit_layer: hidden}
-            rope = stack.rotary(hidden, positions)
-            for start, stop in _pieces(exit_layer, stack.num_layers, wanted):
-                hidden = stack.run(hidden, start, stop, mask, rope, positions, self.cache)
-                captured[stop] = hidden
-            normed = stack.norm(hidden)
-            captured[stack.num_layers] = normed  # hidden_states[-1] is the final norm's output, as transformers ties it
-            # on the tokens' device, as the model's own forward returns them (Accelerate: the LM head's may differ)
-            logits = stack.logits(normed, normed=True).to(tree.tokens.device)
+            # one compiled region under compile=True (the runner's fused; as it is for an eager runner)
+            logits, captured = self.runner.fused(DecoderStack.resume)(
+                stack, tree.tokens, tree.resume.hidden, mask, positions, self.cache, pieces)
         hidden_states = None
         if self.wants_hidden:
             hidden_states = tuple(captured.get(i) if i in wanted else None for i in range(stack.num_layers + 1))

@@ -23,6 +23,8 @@ import inspect
 
 import torch
 
+from .attention import mask_rows
+
 # model types whose base model's forward is exactly: embed_tokens -> rotary_emb -> layers (per-type masks) -> norm,
 # and whose CausalLM applies lm_head (+ final_logit_softcapping) to the result (transformers 5.x modeling files)
 DRIVABLE = frozenset({
@@ -85,6 +87,28 @@ class DecoderStack:
                                     position_embeddings=rope[kind] if self._typed_rope else rope[None],
                                     position_ids=position_ids, cache=cache, use_cache=True)
         return hidden
+
+    def resume(self, tokens: torch.LongTensor, resumed: torch.Tensor, mask, positions, cache, pieces) -> tuple:
+        """The forward of ``tokens [B, N]`` whose first ``D`` already went through layers ``0..E-1`` (their outputs
+        ``resumed [B, D, H]``, their keys and values in ``cache``): layers ``0..E-1`` for the other tokens, then
+        layers ``E..`` for all, in ``pieces`` (``[(E, a), (a, b), ..., (., num_layers)]``: where hidden states are
+        kept). Returns ``(logits [B, N, V] fp32 on the tokens' device, {layer index: hidden states [B, N, H]})``
+        (index ``num_layers``: the final norm's output, as transformers' ``hidden_states[-1]`` is)."""
+        exit_layer, done = pieces[0][0], resumed.shape[1]
+        hidden = self.embed(tokens[:, done:])
+        if hidden.shape[1]:
+            rest = positions[:, done:]
+            hidden = self.run(hidden, 0, exit_layer, mask_rows(mask, done), self.rotary(hidden, rest), rest, cache)
+        hidden = torch.cat([resumed.to(hidden.device, hidden.dtype), hidden], dim=1)
+        captured = {exit_layer: hidden}
+        rope = self.rotary(hidden, positions)
+        for start, stop in pieces:
+            hidden = self.run(hidden, start, stop, mask, rope, positions, cache)
+            captured[stop] = hidden
+        normed = self.norm(hidden)
+        captured[self.num_layers] = normed
+        # on the tokens' device, as the model's own forward returns them (Accelerate: the LM head's may differ)
+        return self.logits(normed, normed=True).to(tokens.device), captured
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.base.norm(hidden)
