@@ -13,7 +13,7 @@ from .adaptive import ALL_ON, Rules
 from .cache import CacheLayout
 from .costs import CallCosts, ForwardCostModel
 from .coupling import WARPERS, CoupledNoise, apply_warpers, is_warper
-from .syncs import to_device
+from .syncs import host_side, to_device
 
 
 class DecodingState:
@@ -94,6 +94,7 @@ class DecodingState:
         """Real (unpadded) committed ids of row ``b`` as host data (no read of a device tensor)."""
         return self.host_tokens[b][self.pad_lengths[b]: self.lengths[b]]
 
+    @host_side
     def roots(self) -> torch.LongTensor:
         """``[B]`` the last committed token of every row (from the host copy: sent, never read back)."""
         key = tuple(self.lengths)

@@ -106,6 +106,16 @@ def _caller() -> str:
     return "?"
 
 
+def host_side(fn):
+    """Mark ``fn`` as host bookkeeping (Python lists of ints, caches keyed by them) that a compiled proposal never
+    traces: ``compile=True`` runs the proposers' ``propose`` through ``torch.compile``, and dynamo would guard on the
+    length and values of every host list such code reads (the committed tokens grow every step, the rows' budgets
+    shrink at the end of a call): a new graph each step, until its recompile limit. A marked function runs eagerly,
+    the compiled proposal split around its call (``torch.compiler.disable``); outside compiled code it is ``fn``."""
+    return torch.compiler.disable(fn)
+
+
+@host_side
 def to_device(data, device, dtype=torch.long) -> torch.Tensor:
     """``torch.tensor(data)`` on ``device`` without a synchronisation: on CUDA a copy from pageable host memory
     waits for the stream, so the values go through pinned memory with a non-blocking copy (torch's caching host

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import TENSOR, to_mask, tree_mask_format
-from .syncs import to_device
+from .syncs import host_side, to_device
 
 
 @dataclass
@@ -73,10 +73,11 @@ class DraftTree:
         return self.tokens.shape[1]
 
     @classmethod
+    @host_side
     def from_rows(cls, root: torch.LongTensor, tokens: list[list[int]], parents: list[list[int]]) -> "DraftTree | None":
         """A tree per row from lists: row ``b``'s drafts ``tokens[b]`` (parents first) and, for each, its parent's
         slot (``0`` = the root, ``i`` = the row's ``i``-th draft); ``root [B]``. ``None`` when no row has a draft."""
-        width = 1 + max((len(t) for t in tokens), default=0)
+        width = 1 + max([0, *map(len, tokens)])  # (max's default= is a graph break under compile)
         if width == 1:
             return None
         for b, row in enumerate(parents):  # a proposer's bug would otherwise verify with the wrong ancestors
@@ -102,6 +103,7 @@ class DraftTree:
                    host_depth=deepest)
 
     @classmethod
+    @host_side
     def chain(cls, root: torch.LongTensor, drafts: torch.LongTensor | None = None,
               num_drafts: torch.LongTensor | None = None, draft_probs: torch.Tensor | None = None) -> "DraftTree":
         """A chain per row: ``root [B]``, ``drafts [B, k]`` of which the first ``num_drafts[b]`` are real.
@@ -118,7 +120,7 @@ class DraftTree:
         counts = None
         if isinstance(num_drafts, (list, tuple)):
             counts = [int(c) for c in num_drafts]
-            longest = max(counts, default=0)
+            longest = max([0, *counts])
             if drafts.shape[1] > longest:
                 drafts = drafts[:, :longest]
                 draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
@@ -138,7 +140,7 @@ class DraftTree:
             probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
         tree = cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
         tree.host_drafts = counts
-        tree.host_depth = max(counts, default=0) if counts is not None else k
+        tree.host_depth = max([0, *counts]) if counts is not None else k
         return tree
 
     @property

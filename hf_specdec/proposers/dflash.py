@@ -39,6 +39,7 @@ from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
+from ..syncs import host_side
 from ..tree import DraftTree
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
@@ -147,16 +148,10 @@ class DFlashProposer(FeatureDrafterProposer):
         if greedy:  # on the device; with the adaptive rule, the confidences come back in one read
             drafts = logits.argmax(-1)
             host_conf = torch.softmax(logits, -1).max(-1).values.tolist() if self.adaptive else None
-        for b in range(bsz):
+            kept, best, confidences = self._keep_rows(state, host_conf, width)
+        for b in range(0 if greedy else bsz):
             budget = min(state.max_drafts[b], width)
             row_logits = logits[b]
-            if greedy:
-                confidence = host_conf[b] if host_conf is not None else []
-                k, worth = self._keep(state, _reaches(confidence[:budget]), budget) if budget > 0 else (0, None)
-                best = _better(best, worth)
-                kept.append(k)
-                confidences.append(confidence[:k])
-                continue
             if process is not None or state.do_sample:
                 rows, prefix = [], state.prefix(b)
                 toks = []
@@ -188,6 +183,20 @@ class DFlashProposer(FeatureDrafterProposer):
         draft_probs = torch.stack(probs_all) if state.do_sample else None
         return DraftTree.chain(state.roots(), tokens, kept, draft_probs)
 
+    @host_side
+    def _keep_rows(self, state, confidences: list | None, width: int):
+        """Greedy drafting's host side: each row's drafts kept (its budget; adaptive, those that pay), the best
+        prediction and the kept drafts' confidences (``confidences[b]``: host floats, ``None`` unless adaptive)."""
+        kept, best, kept_conf = [], None, []
+        for b in range(state.batch_size):
+            budget = min(state.max_drafts[b], width)
+            confidence = confidences[b] if confidences is not None else []
+            k, worth = self._keep(state, _reaches(confidence[:budget]), budget) if budget > 0 else (0, None)
+            best = _better(best, worth)
+            kept.append(k)
+            kept_conf.append(confidence[:k])
+        return kept, best, kept_conf
+
     def _tree(self, state, logits: torch.Tensor, t0: float | None) -> DraftTree | None:
         """DDTree (module docstring): each row's best-first tree over the block positions' distributions (``logits
         [B, W, V]``, perturbed under coupled sampling), cut to what pays (adaptive). The drafts are deterministic (a
@@ -212,6 +221,7 @@ class DFlashProposer(FeatureDrafterProposer):
         return DraftTree.from_rows(state.roots(), [t[:k] for (t, _), k in zip(rows, kept)],
                                    [q[:k] for (_, q), k in zip(rows, kept)])
 
+    @host_side
     def _settle(self, state, reach: list[list[float]], kept: list[int],
                 best: tuple[float, float] | None, t0: float | None) -> list[int] | None:
         """What chains and trees decide alike: the back-off's judgement of each row's ``kept`` drafts (best first;

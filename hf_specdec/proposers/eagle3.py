@@ -26,7 +26,7 @@ from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.eagle3 import Eagle3Drafter
 from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
-from ..syncs import to_device
+from ..syncs import host_side, to_device
 from ..tree import DraftTree, build_attention_mask
 from .base import draft_vocab_ids
 from .features import FeatureDrafterProposer
@@ -182,6 +182,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(
             ~valid, torch.finfo(self.dtype).min)
 
+    @host_side
     def _own(self, k: int) -> torch.Tensor:
         """``[k, k]``: each of ``k`` new rows sees itself only, in the masks' representation (cached)."""
         key = (k, str(self.device), self.dtype, self._additive_masks())
@@ -335,6 +336,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return self._select(state, torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1), depth,
                             torch.cat(keys, 1) if keyed else None, torch.cat(best, 1) if self.adaptive else None)
 
+    @host_side
     def _candidates(self, max_depth: int):
         """``(depth [C], digits, keyed)`` for a tree of ``max_depth`` (cached): each candidate's depth; per depth
         ``d + 1`` the key digit of each candidate of its block at its place (``[k]`` at depth 1, ``[k, k]`` by parent
@@ -365,12 +367,11 @@ class Eagle3Proposer(FeatureDrafterProposer):
         (and ``best``); the rest is decided on the host."""
         bsz, dev, top_k = state.batch_size, score.device, self.top_k
         depths = self._depth_of(score.shape[1])
-        if any(0 < m < depths for m in state.max_drafts):  # some row may not draft as deep: its deeper ones last
-            score = score.masked_fill(depth > to_device(state.max_drafts, dev)[:, None], float("-inf"))
         keep_n = min(self.total_tokens - 1, score.shape[1])
+        budgets, counts = self._budgets(state, depths, keep_n)
+        if budgets is not None:  # some row may not draft as deep: its deeper ones last
+            score = score.masked_fill(depth > budgets[:, None], float("-inf"))
         ranked_score, ranked = score.sort(dim=1, descending=True, stable=True)
-        # candidates within each row's depth budget (host arithmetic: top_k at depth 1, top_k ** 2 at each deeper)
-        counts = [min(keep_n, top_k + top_k * top_k * (min(m, depths) - 1)) if m else 0 for m in state.max_drafts]
         if self.adaptive:
             host = torch.cat([ranked_score[:, :keep_n].exp().flatten(), best.exp().flatten()]).tolist()  # one read
             reach = [host[b * keep_n:b * keep_n + counts[b]] for b in range(bsz)]
@@ -420,6 +421,19 @@ class Eagle3Proposer(FeatureDrafterProposer):
                          parents=torch.cat([root.new_full((bsz, 1), -1), parents.to(out)], 1), valid=valid,
                          host_depth=self._depth_of(score.shape[1]),
                          _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
+
+    @host_side
+    @host_side
+    def _budgets(self, state, depths: int, keep_n: int):
+        """``(budgets, counts)``: each row's depth budget on the device where some row may not draft all ``depths``
+        (else ``None``), and how many of the best ``keep_n`` candidates each row may keep within it (host arithmetic:
+        ``top_k`` at depth 1, ``top_k ** 2`` at each deeper)."""
+        top_k = self.top_k
+        budgets = None
+        if any(0 < m < depths for m in state.max_drafts):
+            budgets = to_device(state.max_drafts, self.device)
+        return budgets, [min(keep_n, top_k + top_k * top_k * (min(m, depths) - 1)) if m else 0
+                         for m in state.max_drafts]
 
     def _spans(self, candidates: int, device) -> torch.Tensor:
         """``[C]`` the key range of each candidate's subtree, ``(top_k + 1) ** (depth of the tree - its depth)``

@@ -133,13 +133,16 @@ class FeatureDrafterProposer(Proposer):
         n = end - start
         holes = layout.counts is None or any(c != layout.length for c in layout.counts)  # some row has holes
         if self._additive_masks():
-            minval = torch.finfo(self.dtype).min
-            causal = torch.full((n, end), minval, dtype=self.dtype, device=self.device).triu(start + 1)  # [n, end]
-            if not holes:
-                return causal.expand(layout.valid.shape[0], 1, n, end)
-            mask = causal.masked_fill(~layout.valid[:, None, :end].to(self.device), minval)  # [B, n, end]
-            mask.diagonal(start, -2, -1).zero_()  # a hole still sees itself
-            return mask[:, None]
+            # from index comparisons, not triu / diagonal at offset ``start``: a compiled proposal would
+            # specialise those on the offset's value, a new graph per context length
+            rows = torch.arange(start, end, device=self.device)[:, None]
+            cols = torch.arange(end, device=self.device)
+            hidden = cols > rows  # [n, end] causal
+            if holes:  # a hole still sees itself
+                hidden = (hidden | ~layout.valid[:, None, :end].to(self.device)) & (cols != rows)  # [B, n, end]
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                hidden, torch.finfo(self.dtype).min)
+            return mask.expand(layout.valid.shape[0], 1, n, end) if not holes else mask[:, None]
         attends = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()[None]
         if holes:
             attends = attends & layout.valid[:, None, start:end].to(self.device)

@@ -32,7 +32,7 @@ from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
 from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
-from ..syncs import to_device
+from ..syncs import host_side, to_device
 from ..tree import DraftTree
 from .base import draft_vocab_ids
 from .features import FeatureDrafterProposer
@@ -164,7 +164,7 @@ class MedusaProposer(FeatureDrafterProposer):
         head, rank, ancestors = self._index(depth, k)
         node_tokens = self.drafter.draft_to_target(top_ids[:, head, rank]).to(state.device)  # [B, P] every pool node
         self._worth = None
-        rows = [self._allowed(depth, k, m) for m in state.max_drafts]
+        rows = self._allowed(state, depth, k)
         if self.adaptive:
             node_logp = top_logp[:, head, rank]  # [B, P]
             # a node's path probability: the product of its own and its ancestors' (a zero column pads the paths)
@@ -175,6 +175,7 @@ class MedusaProposer(FeatureDrafterProposer):
             self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
         return tree
 
+    @host_side
     def _index(self, depth: int, k: int):
         """Device index tensors of the pool (cached): each node's head and top-k rank (``[P]``, clamped into the heads
         and ranks drafted; such nodes are never kept) and its ancestors-or-self ``[P, D]`` (``P``: padding)."""
@@ -192,15 +193,20 @@ class MedusaProposer(FeatureDrafterProposer):
             self._indices[key] = (head, rank, ancestors)
         return self._indices[key]
 
-    def _allowed(self, depth: int, k: int, budget: int) -> list[int]:
-        """The pool nodes (pool order, parents first) a row may draft: no deeper than ``depth`` and its ``budget``,
+    @host_side
+    def _allowed(self, state, depth: int, k: int) -> list[list[int]]:
+        """Each row's pool nodes (pool order, parents first) it may draft: no deeper than ``depth`` and its budget,
         every rank on the path among the ``k`` drafted (cached: host facts)."""
-        key = (depth, k, budget)
-        if key not in self._allowed_nodes:
-            limit = min(depth, budget)
-            self._allowed_nodes[key] = [i for i, c in enumerate(self.choices) if len(c) <= limit and max(c) < k]
-        return self._allowed_nodes[key]
+        rows = []
+        for budget in state.max_drafts:
+            key = (depth, k, budget)
+            if key not in self._allowed_nodes:
+                limit = min(depth, budget)
+                self._allowed_nodes[key] = [i for i, c in enumerate(self.choices) if len(c) <= limit and max(c) < k]
+            rows.append(self._allowed_nodes[key])
+        return rows
 
+    @host_side
     def _adapt(self, state, reach: list[list[float]], rows: list[list[int]]) -> list[list[int]]:
         """Each row's nodes cut to those that pay for their verification (``reach[b][i]``: node ``i``'s path
         probability, host floats): the best first, as many as pay for the row; back in pool
@@ -222,6 +228,7 @@ class MedusaProposer(FeatureDrafterProposer):
                 self._note_worth(state, sum(reach[b][i] for i in chosen), len(chosen))
         return kept
 
+    @host_side
     def _tree(self, state, node_tokens: torch.Tensor, rows: list[list[int]]):
         """The draft tree of each row's pool nodes ``rows[b]`` (pool order, closed under ancestors); ``node_tokens
         [B, P]`` every pool node's token, on the device. Parents come from the pool (host data): one copy of the
