@@ -12,9 +12,15 @@ change size every step and a dynamic cache grows by a column per token. So, with
   sees them (their cache columns lie after the tree's, masked in every real row, and the loop's crop / keep of the
   accepted path drops them); the logits and hidden states are sliced back to the ``q`` nodes;
 * the forward is ``torch.compile(model.forward, dynamic=False)``, ``mode="reduce-overhead"`` (CUDA graphs) on a
-  GPU, inductor's default mode on a CPU. The prefill, a LayerSkip verification resumed from its early exit and the
-  drafters run eagerly. Compiled once per runner (one per model, :func:`~hf_specdec.runner_choice.runner_for`), so later
-  calls reuse the graphs of earlier ones.
+  GPU, inductor's default mode on a CPU. The first verification compiles every bucket up to the proposer's largest
+  tree (``max_nodes``), so that a later call records nothing new for its sizes. Compiled once per runner (one per
+  model, :func:`~hf_specdec.runner_choice.runner_for`), so later calls reuse the graphs of earlier ones;
+* the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every method that
+  drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed from
+  its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), and the loop's functions of tensors (the tree's mask,
+  the greedy rule, the cache commit). The host bookkeeping inside a proposal (lists of committed tokens, the rows'
+  budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length. The
+  prefill runs eagerly.
 
 On a CPU the CPU kernel runner's products are not used (the compiled forward is the model's own code). In float32
 the outputs are the target's own greedy outputs as everywhere; in half precision a compiled forward rounds its own
@@ -43,7 +49,13 @@ from .runners import TargetRunner, TargetSession, device_type_of, logger
 from .tree import tree_inputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification sizes; past the last one, multiples of it
-RECOMPILE_LIMIT = 64  # graphs per compiled forward (sizes x batch sizes x hidden-state sets) before dynamo gives up
+# graphs per compiled function before dynamo runs it eagerly: dynamo keys its graphs by code object, so every model of
+# one class compiled in a process shares the count (sizes x batch sizes x hidden-state sets x models)
+RECOMPILE_LIMIT = 512
+
+
+def _limits():
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=8 * RECOMPILE_LIMIT)
 
 
 def bucket_size(nodes: int) -> int:
@@ -68,6 +80,7 @@ class CompiledSession(TargetSession):
         self.cuda = device_type_of(self.model) == "cuda"
         self._past: int | None = None  # cached columns before the next forward's (set by verify)
         self._parts: list | None = None  # the proposers whose propose runs compiled for the call
+        self._max_nodes = 1  # the proposer's largest tree (root included): the sizes compiled on first use
         self._cache_device = None  # the static cache's one device, False if several (set on the first commit)
         self._tensor_masks: bool | None = None  # the call's tree masks are tensors (set on first verification)
 
@@ -81,6 +94,7 @@ class CompiledSession(TargetSession):
         drafting through their compiled ``propose`` (:meth:`CompiledRunner.fused`), set on the instances
         for the call."""
         if self._parts is None:
+            self._max_nodes = max(1, proposer.max_nodes)
             self._parts = proposer.network_parts()
             for part in self._parts:
                 part.propose = functools.partial(self.runner.fused(type(part).propose), part)
@@ -127,7 +141,8 @@ class CompiledSession(TargetSession):
         if self._past is not None:
             width = max(q, min(width, self.kv_width - self._past))
         masks = attention_mask.values() if isinstance(attention_mask, dict) else [attention_mask]
-        if not all(isinstance(m, torch.Tensor) for m in masks):
+        tensors = all(isinstance(m, torch.Tensor) for m in masks)
+        if not tensors:
             width = q  # another mask format (a flex BlockMask): run unpadded (a graph per size, still correct)
         pad = width - q
         if pad:  # padding nodes: copies of the first node (the root), which no node attends to
@@ -139,14 +154,8 @@ class CompiledSession(TargetSession):
         inputs = dict(input_ids=input_ids.contiguous(), position_ids=position_ids.contiguous(),
                       attention_mask=_map_masks(attention_mask, lambda m: m.contiguous() if isinstance(m, torch.Tensor)
                                                 else m))
-        shape = (tuple(input_ids.shape), self.kv_width, self.dtype, repr(self.forward_kwargs))
-        if shape not in self.runner.warm and self._past is not None:
-            # a shape's first runs compile it (on a GPU the second records its CUDA graph): done here, the cache cut
-            # back after each, so that no compilation is timed as the forward's cost (costs.py would shun the size)
-            for _ in range(2 if self.cuda else 1):
-                self._compiled(inputs)
-                cache_ops.crop(self.cache, self._past)
-            self.runner.warm.add(shape)
+        if self._past is not None:
+            self._warm(inputs, width, others=tensors)
         with self.forward_context(width):
             out = self._compiled(inputs)
         # a CUDA graph's outputs live in its memory pool, overwritten by its next replay: copied out
@@ -156,12 +165,52 @@ class CompiledSession(TargetSession):
             out.hidden_states = tuple(h if h is None else keep(h) for h in out.hidden_states)
         return out
 
+    def _warm(self, inputs: dict, width: int, others: bool = True) -> None:
+        """Compile a verification size before its first use (on a GPU the second run records its CUDA graph), the
+        cache cut back after each run, so that no compilation is timed as the forward's cost (costs.py would shun the
+        size). The first time, every bucket up to the proposer's largest tree (``max_nodes``) that fits the cache:
+        a later call (another prompt length, other trees) then records nothing new (``others=False``: this size
+        only)."""
+        bsz, warm = inputs["input_ids"].shape[0], self.runner.warm
+
+        def key(w):
+            return (bsz, w), self.kv_width, self.dtype, repr(self.forward_kwargs)
+
+        if key(width) in warm:
+            return
+        room = self.kv_width - self._past
+        sizes = {width} | {bucket_size(n) for n in range(1, self._max_nodes + 1) if bucket_size(n) <= room and others}
+        for w in sorted(sizes):
+            if key(w) in warm:
+                continue
+            args = inputs if w == width else _resized(inputs, w)
+            for _ in range(2 if self.cuda else 1):
+                self._compiled(args)
+                cache_ops.crop(self.cache, self._past)
+            warm.add(key(w))
+
     def _compiled(self, inputs: dict):
         if self.cuda:
             torch.compiler.cudagraph_mark_step_begin()
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with _limits():
             return self.runner.compiled(**inputs, cache=self.cache, use_cache=True, return_dict=True,
                                         **self.forward_kwargs)
+
+
+def _resized(inputs: dict, width: int) -> dict:
+    """Verification inputs of another ``width`` nodes (for compiling that size): cut, or padded with copies of the
+    first node as :meth:`CompiledSession.forward` pads."""
+    def fit(t, dim):
+        have = t.shape[dim]
+        if width <= have:
+            return t.narrow(dim, 0, width).contiguous()
+        shape = list(t.shape)
+        shape[dim] = width - have
+        return torch.cat([t, t.narrow(dim, 0, 1).expand(shape)], dim=dim).contiguous()
+
+    return dict(input_ids=fit(inputs["input_ids"], 1), position_ids=fit(inputs["position_ids"], 1),
+                attention_mask=_map_masks(inputs["attention_mask"],
+                                          lambda m: fit(m, 2) if isinstance(m, torch.Tensor) else m))
 
 
 def _map_masks(mask, fn):
@@ -194,15 +243,16 @@ class CompiledRunner(TargetRunner):
         tensors (a tree's mask, the acceptance rule, the cache commit) as one compiled region, or a proposer class's
         ``propose`` (called with the instance first; dynamo splits it into regions where it reads the host or a clock).
 
-        Dynamic shapes (dynamo's default: a size that changed between calls becomes symbolic), as the drafters' own
-        caches and the layout grow every step; so inductor's default mode on a GPU too: CUDA graphs need fixed shapes
-        (static drafter caches, a fixed-width layout), which the loop does not have yet."""
+        Dynamic shapes from the first compilation (``dynamic=True``: sizes symbolic, but for 0 and 1), as the drafters'
+        own caches and the layout grow every step and the context a drafter is fed first is the prompt: a new prompt
+        length is then no new graph. So inductor's default mode on a GPU too: CUDA graphs need fixed shapes (static
+        drafter caches, a fixed-width layout), which the loop does not have yet."""
         if fn not in self.compiled_fns:
-            compiled = torch.compile(fn, backend=self.backend, dynamic=None)
+            compiled = torch.compile(fn, backend=self.backend, dynamic=True)
 
             @functools.wraps(fn)
             def run(*args, **kwargs):
-                with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                with _limits():
                     return compiled(*args, **kwargs)
 
             self.compiled_fns[fn] = run
