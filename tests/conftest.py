@@ -56,6 +56,9 @@ def pytest_addoption(parser):
                      help="run the losslessness tests (marked 'device': every method at batch 1 and a padded batch, "
                           "every attention backend, coupled sampling, compile) with the tiny models on DEVICE (e.g. "
                           "cuda); the other tests are skipped then (docs/gpu.md)")
+    parser.addoption("--extended", action="store_true",
+                     help="also run the tests marked 'extended' (long: every method compiled, batch 1 and 8; "
+                          "docs/development.md)")
     parser.addoption("--jittered-clock", type=int, nargs="?", const=1, default=None, metavar="SEED",
                      help="time.perf_counter jumps ahead at random (up to 50 ms a read), as on a very busy machine: "
                           "a test that passes only with fair timings depends on timing (none may)")
@@ -105,6 +108,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--extended"):
+        later = pytest.mark.skip(reason="an extended test: pytest --extended runs it")
+        for item in items:
+            if "extended" in item.keywords:
+                item.add_marker(later)
     if config.getoption("--device") == "cpu":
         return
     skip = pytest.mark.skip(reason="a CPU test: --device runs the tests marked 'device' only")

@@ -97,27 +97,29 @@ def _eagle3(target):
 
 
 def test_eagle3_tree_lossless_and_no_recompile_after_warm_up(eager_backend):
-    """A batch (left padding, rows accepting different lengths) of 3-node trees verified at 4 nodes."""
+    """A batch (left padding, rows accepting different lengths) of 3-node trees verified at 4 nodes; a second call
+    with another prompt length compiles nothing new."""
     bsz = 2
     target = tiny_model("llama", layers=4, hidden=H)
     drafter = _eagle3(target)
-    ids, mask = prompts(bsz, 12, seed=bsz)
-    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW)
     method = hf_specdec.decoding_method("eagle3", drafter=drafter, tree_top_k=2, tree_depth=2, tree_total_tokens=3,
                                         draft_length_schedule="constant", compile=True)
     graphs = []
-    for _ in range(2):
+    for length in (12, 15):  # the second call: another prompt length
+        ids, mask = prompts(bsz, length, seed=bsz)
+        ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW)
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW,
                               return_dict_in_generate=True, custom_generate=method)
         assert torch.equal(out.sequences, ref)
         assert out.speculative_stats["proposed_drafts"] > 0
         graphs.append(_graphs())
-    assert graphs[1] == graphs[0]  # the second call compiled nothing
+    assert graphs[1] == graphs[0]  # the second call compiled nothing: no graph for its verification sizes, the
+    # drafter's context length or the rows' budgets (host bookkeeping is never traced: hf_specdec.syncs.host_side)
 
 
 def test_sliding_window_masks_and_layerskip_resume(eager_backend):
     """gemma3 (a {layer type: mask} mapping, padded per type) with prompt_lookup, and LayerSkip, whose verification
-    resumes from its early exit eagerly over the static cache (its calibration and plain steps compiled)."""
+    resumes from its early exit over the static cache (one compiled region, :meth:`DecoderStack.resume`)."""
     from test_layerskip import agreeable
 
     target = agreeable("gemma3", layers=4)

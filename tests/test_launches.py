@@ -1,9 +1,9 @@
 """Kernel launches per step (hf_specdec.launches): the count's rules, its determinism, and every method's count.
 
 Counts are properties of the code path, never of timing: a call counted twice gives the same figures. Issue 51's
-bound, at most 40 launches per target forward under ``compile=True``, is held here for the methods whose compilation
-is quick on a CPU; ``python tests/test_launches.py`` prints every method's figures, eager and compiled (LayerSkip's
-resumed verification still runs eagerly, above the bound).
+bound, at most 40 launches per target forward under ``compile=True``, is held here for three methods whose compilation
+is quick on a CPU, and for every method at batch 1 and 8 with ``pytest --extended``; ``python tests/test_launches.py``
+prints every method's figures, eager and compiled.
 """
 
 import pytest
@@ -75,16 +75,29 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(CompiledRunner, "backend", "eager")
 
 
-@pytest.mark.parametrize("name,bsz", [("prompt_lookup", 1), ("lookahead", 8), ("eagle3_chain", 1)])
-def test_compiled_steps_launch_at_most_40(name, bsz, eager_backend):
-    """compile=True (dynamo's graphs, counted as inductor's would be): the verification forward, the drafters'
-    proposal, the tree's mask, the greedy rule and the cache commit are compiled regions of one launch each; the
-    step launches at most 40 (issue 51's bound), far fewer than eagerly, and decodes as plain greedy does."""
+def _at_most_40(name, bsz):
     (eager,), _ = count(name, bsz)
-    (compiled,), _ = count(name, bsz, compile=True)  # lookahead: a padded batch of 8
+    (compiled,), _ = count(name, bsz, compile=True)
     assert compiled.by_name["compiled region"] >= 4 * compiled.steps  # verify, mask, rule, commit (+ drafting)
     assert compiled.per_step() <= 40, compiled.by_name.most_common(8)
     assert compiled.per_step() < eager.per_step() / 2
+
+
+@pytest.mark.parametrize("name,bsz", [("prompt_lookup", 1), ("lookahead", 8), ("layerskip", 1)])
+def test_compiled_steps_launch_at_most_40(name, bsz, eager_backend):
+    """compile=True (dynamo's graphs, counted as inductor's would be): the verification forward (LayerSkip's resumed
+    from its early exit), the drafters' proposal, the tree's mask, the greedy rule and the cache commit are compiled
+    regions of one launch each; the step launches at most 40 (issue 51's bound), far fewer than eagerly, and decodes
+    as plain greedy does (lookahead: a padded batch of 8)."""
+    _at_most_40(name, bsz)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("bsz", [1, 8])
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_compiled_launches_at_most_40(name, bsz, eager_backend):
+    """Every method at batch 1 and a padded batch of 8 (``pytest --extended``: several minutes of compilation)."""
+    _at_most_40(name, bsz)
 
 
 if __name__ == "__main__":  # the figures: python tests/test_launches.py
