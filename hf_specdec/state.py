@@ -95,6 +95,19 @@ class DecodingState:
         return self.host_tokens[b][self.pad_lengths[b]: self.lengths[b]]
 
     @host_side
+    def budgets(self, most: int | None = None) -> list[int]:
+        """Each row's draft budget this step (:attr:`max_drafts`), at most ``most``. Proposers read the budgets
+        through this and :meth:`deepest`, never from the list in their own code: a compiled proposal would trace the
+        list (a symbol per row, a guard per value)."""
+        return list(self.max_drafts) if most is None else [min(m, most) for m in self.max_drafts]
+
+    @host_side
+    def deepest(self, most: int | None = None) -> int:
+        """The largest row budget this step, at most ``most`` (0: no row drafts)."""
+        top = max([0, *self.max_drafts])
+        return top if most is None else min(top, most)
+
+    @host_side
     def roots(self) -> torch.LongTensor:
         """``[B]`` the last committed token of every row (from the host copy: sent, never read back)."""
         key = tuple(self.lengths)
@@ -136,6 +149,7 @@ class DecodingState:
         return all(is_warper(p) for p in self.processors)
 
     # ---- coupled sampling
+    @host_side
     def noise(self, width: int) -> torch.Tensor:
         """``[B, width, V]`` the Gumbel noise of each row's next ``width`` positions: ``[b, j]`` is that of the token
         at depth ``j + 1`` below the root (drafters drafting depth ``d`` use column ``d - 1``; the target's choice at a

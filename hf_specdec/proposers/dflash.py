@@ -111,7 +111,7 @@ class DFlashProposer(FeatureDrafterProposer):
         third of a decoding step on a CPU; the adaptive rule rarely keeps more than a few drafts of a weak drafter, so
         the first :attr:`HEAD_FIRST` positions are scored first and the rest only while some row's drafts are still
         likely enough (cumulative confidence >= :attr:`HEAD_MORE`) to be kept."""
-        need = min(hidden.shape[1], max(state.max_drafts))
+        need = state.deepest(hidden.shape[1])
         first = min(need, self.HEAD_FIRST) if self.adaptive and self.rules.dflash_head_first else need
         logits = self.drafter.draft_logits(hidden[:, :first]).float().to(state.device)
         if first < need:

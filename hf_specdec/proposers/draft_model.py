@@ -152,13 +152,13 @@ class DraftModelProposer(Proposer):
 
     def propose(self, state):
         bsz = state.batch_size
-        budgets = [min(m, self.max_tokens) for m in state.max_drafts]
+        budgets, top = state.budgets(self.max_tokens), state.deepest(self.max_tokens)
         if self.num_tokens is None:
-            want = best_draft_length(self.estimator.alpha("all"), max(budgets), state.cost_model,
+            want = best_draft_length(self.estimator.alpha("all"), top, state.cost_model,
                                      draft_cost=self._draft_cost(state))
         else:
-            want = max(budgets)
-        k = min(want, max(budgets))
+            want = top
+        k = min(want, top)
         if k <= 0:
             self.fed = 0
             return None

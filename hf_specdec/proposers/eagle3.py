@@ -214,11 +214,12 @@ class Eagle3Proposer(FeatureDrafterProposer):
         most one past those the last proposal found worth drafting (its drafts' probabilities, read with its one host
         read: drafting stops where no row's next draft could add 2 % to its expected acceptance, without reading
         anything mid-proposal)."""
-        limit = min(most, max(state.max_drafts))
+        limit = state.deepest(most)
         if self.adaptive and self.rules.eagle3_depth_limit and self._confident is not None:
             limit = min(limit, self._confident + 1)
         return limit
 
+    @host_side
     def _judge_depths(self, state, best: list[list[float]]) -> None:
         """Record how many leading depths were worth drafting (``best[b][d]``: row ``b``'s most likely node at depth
         ``d + 1``, host floats): those where some drafting row's could add 2 % to its expected acceptance."""
@@ -257,7 +258,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
             pos = (state.root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
             logits, hidden, visible = self._step(state, token[:, None], hidden[:, None], pos, visible, own, step=i + 1)
             logits, hidden = logits[:, 0], hidden[:, 0]
-        counts = [min(m, len(drafts)) for m in state.max_drafts]
+        counts = state.budgets(len(drafts))
         if self.adaptive:  # verify only the drafts that pay for their verification (the measured costs)
             reach_rows = torch.stack(reaches, dim=1).tolist()  # [B][k]: the proposal's one host read
             self._judge_depths(state, reach_rows)

@@ -289,8 +289,8 @@ class Gemma4AssistantProposer(Proposer):
         return best_d
 
     def propose(self, state):
-        budgets = [min(m, self.max_tokens) for m in state.max_drafts]
-        k = min(self._length(state, max(budgets)), max(budgets))
+        budgets, top = state.budgets(self.max_tokens), state.deepest(self.max_tokens)
+        k = min(self._length(state, top), top)
         if k <= 0:
             return None
         self.counts = [min(b, k) for b in budgets]

@@ -188,15 +188,15 @@ class LayerSkipProposer(Proposer):
 
     def propose(self, state):
         bsz = state.batch_size
-        budgets = [min(m, self.max_tokens) for m in state.max_drafts]
+        budgets, top = state.budgets(self.max_tokens), state.deepest(self.max_tokens)
         resumed = _ResumedCost(state.cost_model, self.early_share)
         draft_cost = self._draft_cost(state)
         alpha = self.estimator.alpha("all")
         if self.num_tokens is None:
-            want = best_draft_length(alpha, max(budgets), resumed, draft_cost=draft_cost)
+            want = best_draft_length(alpha, top, resumed, draft_cost=draft_cost)
         else:
-            want = max(budgets)
-        k = min(want, max(budgets))
+            want = top
+        k = min(want, top)
         if k <= 0:
             return None
         layout, cache, stack = state.layout, state.cache, self.stack

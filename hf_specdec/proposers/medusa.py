@@ -154,7 +154,7 @@ class MedusaProposer(FeatureDrafterProposer):
         if self.adaptive and self.backoff.skipping():
             return None
         start = time.perf_counter()
-        depth = min(self.depth, max(state.max_drafts))
+        depth = state.deepest(self.depth)
         if depth <= 0:
             return None
         logits = self.drafter(self.last, heads=depth).float()  # [B, D, Vd]

@@ -96,7 +96,7 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
         if self.adaptive and self.backoff.skipping():
             return None
         start = time.perf_counter()
-        k = min(self.k, max(state.max_drafts))
+        k = state.deepest(self.k)
         if k <= 0:
             return None
         fed = state.layout.length - self.synced
@@ -109,7 +109,7 @@ class ParallelHeadsProposer(FeatureDrafterProposer):
         picks = torch.multinomial(probs.flatten(0, 1), 1).view(probs.shape[:2]) if state.do_sample \
             else logits.argmax(-1)
         drafts = self.drafter.draft_to_target(picks).to(state.device)
-        counts = [min(m, k) for m in state.max_drafts]
+        counts = state.budgets(k)
         self._worth = None
         if self.adaptive:
             reach = probs.gather(-1, picks[..., None])[..., 0].cumprod(-1).tolist()  # the proposal's one host read
