@@ -156,3 +156,26 @@ def test_bench_method_string_takes_compile():
 
     methods = build_methods(["prompt_lookup:compile=1", "prompt_lookup"])
     assert [m.kwargs["custom_generate"].defaults.get("compile") for m in methods] == [True, None]
+
+
+@pytest.mark.parametrize("name", ["medusa", pytest.param("eagle3_chain", marks=pytest.mark.extended)])
+def test_sampling_with_a_compiled_proposal(name, eager_backend, monkeypatch):
+    """Sampling under compile=True, the proposal (its draws, its coupled noise) inside compiled code: coupled sampling
+    gives the plain method's text for the seed (a padded batch of 3), and rejection sampling draws the target's exact
+    distribution (test_sampling's chi-square over 6,000 samples). EAGLE-3's chain with ``pytest --extended``."""
+    import test_sampling
+    import test_syncs
+    from test_coupled import _run
+
+    model = test_syncs._target()
+    ref, _ = _run(model, hf_specdec.decoding_method("plain"), 3, seed=11)
+    out, stats = _run(model, test_syncs.method(name, model), 3, seed=11, compile=True)
+    assert out == ref and stats["sampling"] == "coupled" and stats["proposed_drafts"] > 0
+    model, exact = test_sampling._with_exact(test_sampling._target())
+    monkeypatch.setattr(test_sampling, "ROWS", 300)  # 20 calls of 300 rows: a smaller batch to compile
+    monkeypatch.setattr(test_sampling, "CALLS", 20)
+    counts, stats = test_sampling._sample(model, test_sampling.PROMPT, test_sampling._custom(model, name),
+                                          compile=True)
+    accepted, proposed = (sum(s[k] for s in stats) for k in ("accepted_drafts", "proposed_drafts"))
+    assert 0 < accepted < proposed, "the test must see both accepted and rejected drafts"
+    assert test_sampling._chi2(counts, exact).pvalue > 1e-3

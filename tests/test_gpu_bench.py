@@ -128,9 +128,13 @@ def test_replay_rewrites_a_tree_on_the_device(gpu, tiny):
     assert new.tokens.tolist() == [[9, 11, 10, 11, 13, 13]]
 
 
-def test_compiled_rows(gpu, tmp_path):
-    """--compile on: each method's row with compile=True (inductor on the CPU), lossless; its target forwards are
-    counted from the loop's stats (the compiled forward passes no hook), their time left in the host column."""
+def test_compiled_rows(gpu, tmp_path, monkeypatch):
+    """--compile on: each method's row with compile=True, lossless; its target forwards are counted from the loop's
+    stats (the compiled forward passes no hook), their time left in the host column. Dynamo's eager backend (the
+    same graphs; inductor's code generation, seconds per verification size here, is tested in test_compile.py)."""
+    from hf_specdec.compiled import CompiledRunner
+
+    monkeypatch.setattr(CompiledRunner, "backend", "eager")
     assert gpu.rows_of(["eagle3", "hf_assisted"], "both") == ["eagle3", "eagle3+compile", "hf_assisted"]
     assert gpu.rows_of(["eagle3"], "on") == ["eagle3+compile"] and gpu.rows_of(["eagle3"], "off") == ["eagle3"]
     assert gpu.main(["--tiny", "--max-new-tokens", "16", "--compile", "on", "--methods", "prompt_lookup",

@@ -205,6 +205,16 @@ def _mtp_module(model, parallel=False):
                                     "mtp_parallel", "suffix", "assisted_hybrid", "lookahead"])
 def test_speculative_sampling_matches_target(target_and_exact, method):
     model, exact = target_and_exact
+    counts, stats = _sample(model, PROMPT, _custom(model, method))
+    accepted = sum(s["accepted_drafts"] for s in stats)
+    proposed = sum(s["proposed_drafts"] for s in stats)
+    assert 0 < accepted < proposed, "the test must see both accepted and rejected drafts"
+    result = _chi2(counts, exact)
+    assert result.pvalue > 1e-3, result
+
+
+def _custom(model, method):
+    """The decoding method ``method`` (a case of :func:`test_speculative_sampling_matches_target`) for ``model``."""
     if method == "assisted":
         drafter = tiny_model("llama", seed=5, vocab=V, hidden=16, scale=1.5)
         custom = hf_specdec.decoding_method("assisted", drafter=drafter, num_speculative_tokens=2)
@@ -250,12 +260,7 @@ def test_speculative_sampling_matches_target(target_and_exact, method):
                                             draft_length_schedule="constant")
     else:
         custom = hf_specdec.decoding_method(TopKTree())
-    counts, stats = _sample(model, PROMPT, custom)
-    accepted = sum(s["accepted_drafts"] for s in stats)
-    proposed = sum(s["proposed_drafts"] for s in stats)
-    assert 0 < accepted < proposed, "the test must see both accepted and rejected drafts"
-    result = _chi2(counts, exact)
-    assert result.pvalue > 1e-3, result
+    return custom
 
 
 @pytest.mark.parametrize("method", ["sampled_tree", "eagle3_tree", "dflash"])
