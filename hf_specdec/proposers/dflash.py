@@ -201,14 +201,20 @@ class DFlashProposer(FeatureDrafterProposer):
         """DDTree (module docstring): each row's best-first tree over the block positions' distributions (``logits
         [B, W, V]``, perturbed under coupled sampling), cut to what pays (adaptive). The drafts are deterministic (a
         position's most likely tokens): the sampling verifier uses its rule for such drafts."""
-        bsz, width = logits.shape[:2]
+        width = logits.shape[1]
         process = state.draft_process_fn()
         if process is not None:
             logits = _processed(state, process, logits)
         top_p, top_ids = torch.softmax(logits, -1).topk(min(self.TREE_WIDTH, self.tree_budget, logits.shape[-1]), -1)
         host = torch.stack([top_p.double(), top_ids.double()]).tolist()  # [2][B][W][k]: the proposal's one read
+        return self._tree_of(state, host, width, t0)
+
+    @host_side
+    def _tree_of(self, state, host: list, width: int, t0: float | None) -> DraftTree | None:
+        """:meth:`_tree`'s host side: each row's best-first tree from the block positions' top tokens and
+        probabilities (``host[1][b][d]`` / ``host[0][b][d]``), kept as far as it pays."""
         rows, reach, kept, best = [], [], [], None
-        for b in range(bsz):
+        for b in range(state.batch_size):
             nodes = best_first(host[0][b][:min(state.max_drafts[b], width)], self.tree_budget)
             reach.append([p for _, _, _, p in nodes])  # path products of probabilities
             k, worth = self._keep(state, reach[b], len(nodes))
