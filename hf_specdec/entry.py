@@ -223,7 +223,10 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         return _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, proposer, loop,
                        streamer=streamer, **model_kwargs)
 
-    return model.generate(
+    # the class's generate: where a model folder carries a custom_generate/generate.py, transformers made that the
+    # instance's generate, which would call this function again
+    return type(model).generate(
+        model,
         inputs,
         generation_config=generation_config,
         logits_processor=logits_processor,

@@ -66,6 +66,29 @@ def test_absolute_path_from_another_directory(target, drafter, tmp_path, monkeyp
     assert torch.equal(out, ref)
 
 
+def test_a_model_folder_carrying_a_method_folder(target, tmp_path):
+    """A saved model folder with a method's ``custom_generate/`` in it, loaded with ``trust_remote_code=True``:
+    transformers makes that folder's function the model's own ``generate``, and a plain call, positional or by
+    keyword, speculates with output identical to the folder loaded without it (issue 52's seam; ``hf-specdec attach``
+    is to write such folders)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    target.save_pretrained(folder)
+    shutil.copytree(Path(hf_specdec.custom_generate_path("prompt_lookup")) / "custom_generate",
+                    folder / "custom_generate")
+    attached = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    plain = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids, mask = prompts(2, 12)
+    ids[:, -6:] = ids[:, -12:-6]  # something to copy
+    ref = plain.generate(input_ids=ids, attention_mask=mask, **GEN)
+    assert torch.equal(attached.generate(ids, attention_mask=mask, **GEN), ref)
+    out = attached.generate(input_ids=ids, attention_mask=mask, **GEN, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref) and out.speculative_stats["method"] == "prompt_lookup"
+
+
 def test_callable(target, drafter):
     ids, mask = prompts(2, 12)
     ref = target.generate(input_ids=ids, attention_mask=mask, **GEN)

@@ -10,7 +10,9 @@ METHOD = "auto"
 PROVIDER = None  # the module that registers the method (None: built into hf_specdec)
 
 
-def generate(model, *args, **kwargs):
+def generate(*args, model, **kwargs):
+    # model=: transformers' custom_generate="..." passes it so; a model folder that carries this file makes it the
+    # model's own generate (functools.partial(generate, model=model)), called with the call's arguments as given
     if PROVIDER is not None:
         __import__(PROVIDER)
     return generate_with_method(METHOD, model, *args, **kwargs)
