@@ -178,8 +178,10 @@ class CompiledSession(TargetSession):
 
         if key(width) in warm:
             return
-        room = self.kv_width - self._past
-        sizes = {width} | {bucket_size(n) for n in range(1, self._max_nodes + 1) if bucket_size(n) <= room and others}
+        sizes = {width}
+        if others:
+            room = self.kv_width - self._past
+            sizes |= {bucket_size(n) for n in range(1, self._max_nodes + 1) if bucket_size(n) <= room}
         for w in sorted(sizes):
             if key(w) in warm:
                 continue

@@ -104,7 +104,7 @@ class DecodingState:
     @host_side
     def deepest(self, most: int | None = None) -> int:
         """The largest row budget this step, at most ``most`` (0: no row drafts)."""
-        top = max([0, *self.max_drafts])
+        top = max(self.max_drafts, default=0)
         return top if most is None else min(top, most)
 
     @host_side

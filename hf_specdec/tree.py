@@ -77,7 +77,7 @@ class DraftTree:
     def from_rows(cls, root: torch.LongTensor, tokens: list[list[int]], parents: list[list[int]]) -> "DraftTree | None":
         """A tree per row from lists: row ``b``'s drafts ``tokens[b]`` (parents first) and, for each, its parent's
         slot (``0`` = the root, ``i`` = the row's ``i``-th draft); ``root [B]``. ``None`` when no row has a draft."""
-        width = 1 + max([0, *map(len, tokens)])  # (max's default= is a graph break under compile)
+        width = 1 + max((len(t) for t in tokens), default=0)
         if width == 1:
             return None
         for b, row in enumerate(parents):  # a proposer's bug would otherwise verify with the wrong ancestors
@@ -120,7 +120,7 @@ class DraftTree:
         counts = None
         if isinstance(num_drafts, (list, tuple)):
             counts = [int(c) for c in num_drafts]
-            longest = max([0, *counts])
+            longest = max(counts, default=0)
             if drafts.shape[1] > longest:
                 drafts = drafts[:, :longest]
                 draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
@@ -140,7 +140,7 @@ class DraftTree:
             probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
         tree = cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
         tree.host_drafts = counts
-        tree.host_depth = max([0, *counts]) if counts is not None else k
+        tree.host_depth = max(counts, default=0) if counts is not None else k
         return tree
 
     @property

@@ -143,59 +143,45 @@ class DFlashProposer(FeatureDrafterProposer):
         if self.tree_budget:
             return self._tree(state, logits, t0 if end - start <= self.BACKLOG else None)
         process = state.draft_process_fn()
-        drafts, probs_all, kept, best, confidences = [], [], [], None, []
-        greedy = process is None and not state.do_sample
-        if greedy:  # on the device; with the adaptive rule, the confidences come back in one read
+        probs_all = []
+        if process is None and not state.do_sample:  # greedy, on the device; adaptive: the confidences in one read
             drafts = logits.argmax(-1)
             host_conf = torch.softmax(logits, -1).max(-1).values.tolist() if self.adaptive else None
-            kept, best, confidences = self._keep_rows(state, host_conf, width)
-        for b in range(0 if greedy else bsz):
-            budget = min(state.max_drafts[b], width)
-            row_logits = logits[b]
-            if process is not None or state.do_sample:
-                rows, prefix = [], state.prefix(b)
-                toks = []
+        else:  # row by row: each draft through the processors with its prefix, or drawn
+            drafts, host_conf = [], []
+            for b in range(bsz):
+                rows, prefix, toks = [], state.prefix(b), []
                 for i in range(width):
                     ids = torch.cat([prefix, prefix.new_tensor(toks)])[None] if toks else prefix[None]
-                    scores = process(b, ids, row_logits[i:i + 1])[0] if process is not None else row_logits[i]
+                    scores = process(b, ids, logits[b, i:i + 1])[0] if process is not None else logits[b, i]
                     p = torch.softmax(scores, dim=-1)
-                    tok = int(torch.multinomial(p, 1)) if state.do_sample else int(scores.argmax())
+                    toks.append(int(torch.multinomial(p, 1)) if state.do_sample else int(scores.argmax()))
                     rows.append(p)
-                    toks.append(tok)
                 row_probs = torch.stack(rows)
-                row_tokens = torch.tensor(toks, device=state.device)
-            else:
-                row_probs = None
-                row_tokens = row_logits.argmax(-1)
-            confidence = (row_probs if row_probs is not None else torch.softmax(row_logits, -1)).max(-1).values
-            confidence = confidence.tolist()
-            k, worth = self._keep(state, _reaches(confidence[:budget]), budget) if budget > 0 else (0, None)
-            best = _better(best, worth)
-            drafts.append(row_tokens)
-            probs_all.append(row_probs)
-            kept.append(k)
-            confidences.append(confidence[:k])
-        kept = self._settle(state, [_reaches(c) for c in confidences], kept, best,
-                            t0 if end - start <= self.BACKLOG else None)
+                drafts.append(torch.tensor(toks, device=state.device))
+                probs_all.append(row_probs)
+                host_conf.append(row_probs.max(-1).values.tolist())
+            drafts = torch.stack(drafts)
+        kept = self._keep_rows(state, host_conf, width, t0 if end - start <= self.BACKLOG else None)
         if kept is None:
             return None
-        tokens = drafts if greedy else torch.stack(drafts)
         draft_probs = torch.stack(probs_all) if state.do_sample else None
-        return DraftTree.chain(state.roots(), tokens, kept, draft_probs)
+        return DraftTree.chain(state.roots(), drafts, kept, draft_probs)
 
     @host_side
-    def _keep_rows(self, state, confidences: list | None, width: int):
-        """Greedy drafting's host side: each row's drafts kept (its budget; adaptive, those that pay), the best
-        prediction and the kept drafts' confidences (``confidences[b]``: host floats, ``None`` unless adaptive)."""
-        kept, best, kept_conf = [], None, []
+    def _keep_rows(self, state, confidences: list | None, width: int, t0: float | None) -> list[int] | None:
+        """The chain's host side: how many drafts each row keeps (its budget; adaptive, as many as pay), as
+        :meth:`_settle` judges them (``confidences[b]``: the drafter's confidence in each of row ``b``'s drafts, host
+        floats; ``None``: not read, greedy and not adaptive). ``None`` when no row keeps a draft."""
+        kept, best, reach = [], None, []
         for b in range(state.batch_size):
             budget = min(state.max_drafts[b], width)
-            confidence = confidences[b] if confidences is not None else []
-            k, worth = self._keep(state, _reaches(confidence[:budget]), budget) if budget > 0 else (0, None)
+            row = _reaches((confidences[b] if confidences is not None else [])[:budget])
+            k, worth = self._keep(state, row, budget) if budget > 0 else (0, None)
             best = _better(best, worth)
             kept.append(k)
-            kept_conf.append(confidence[:k])
-        return kept, best, kept_conf
+            reach.append(row[:k])  # running products: those of the kept drafts are a prefix
+        return self._settle(state, reach, kept, best, t0)
 
     def _tree(self, state, logits: torch.Tensor, t0: float | None) -> DraftTree | None:
         """DDTree (module docstring): each row's best-first tree over the block positions' distributions (``logits
@@ -227,7 +213,6 @@ class DFlashProposer(FeatureDrafterProposer):
         return DraftTree.from_rows(state.roots(), [t[:k] for (t, _), k in zip(rows, kept)],
                                    [q[:k] for (_, q), k in zip(rows, kept)])
 
-    @host_side
     def _settle(self, state, reach: list[list[float]], kept: list[int],
                 best: tuple[float, float] | None, t0: float | None) -> list[int] | None:
         """What chains and trees decide alike: the back-off's judgement of each row's ``kept`` drafts (best first;

@@ -424,7 +424,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
                          _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
 
     @host_side
-    @host_side
     def _budgets(self, state, depths: int, keep_n: int):
         """``(budgets, counts)``: each row's depth budget on the device where some row may not draft all ``depths``
         (else ``None``), and how many of the best ``keep_n`` candidates each row may keep within it (host arithmetic:
