@@ -13,6 +13,7 @@ entry point.
 __version__ = "0.1.0"
 
 from . import modeling  # noqa: F401  (registers the drafters' configs and models with the Auto classes)
+from .attach import attach, attached, detach
 from .draft_models import load_draft_model, save_draft_model
 from .engine import SpeculativeDecoderOnlyOutput, SpeculativeStats, speculative_decode
 from .entry import available_methods, build_proposer, custom_generate_path, decoding_method, generate_with_method
@@ -27,10 +28,13 @@ __all__ = [
     "SpeculativeDecoderOnlyOutput",
     "SpeculativeStats",
     "SuffixCache",
+    "attach",
+    "attached",
     "available_methods",
     "build_proposer",
     "custom_generate_path",
     "decoding_method",
+    "detach",
     "generate_with_method",
     "load_draft_model",
     "register",

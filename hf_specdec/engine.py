@@ -123,24 +123,35 @@ class SpeculativeStats:
         }
 
 
+def unsupported_mode(generation_config) -> str | None:
+    """Why ``generation_config`` asks for what speculative decoding does not do (beam search, several sequences per
+    prompt, contrastive search, DoLa, per-step attentions), with the fix; ``None`` when it can speculate. A model
+    folder with a method attached (:mod:`hf_specdec.attach`) runs such a call with transformers' own ``generate``."""
+    c = generation_config
+    if c.num_beams is not None and c.num_beams > 1:
+        return (f"Speculative decoding does not combine with beam search (num_beams={c.num_beams}). Set num_beams=1, "
+                "or drop custom_generate to run beam search.")
+    if c.num_return_sequences is not None and c.num_return_sequences > 1:
+        return (f"num_return_sequences={c.num_return_sequences} is not supported with speculative decoding. Repeat the "
+                "prompt in the batch instead (input_ids.repeat(n, 1)) and sample with do_sample=True.")
+    if c.penalty_alpha is not None and c.penalty_alpha > 0 and c.top_k is not None and c.top_k > 1:
+        return (f"Speculative decoding does not run contrastive search (penalty_alpha={c.penalty_alpha}). Drop "
+                "penalty_alpha, or drop custom_generate to run it.")
+    if getattr(c, "dola_layers", None) is not None:
+        return "Speculative decoding does not run DoLa decoding (dola_layers=...). Drop dola_layers, or drop " \
+               "custom_generate to run it."
+    if c.output_attentions or c.output_hidden_states:
+        return ("output_attentions / output_hidden_states are not returned by speculative decoding (the target runs "
+                "on draft trees, not one token at a time). Drop them, or run plain generate() for those outputs.")
+    return None
+
+
 def _check_inputs(model, input_ids, attention_mask, generation_config, logits_processor, max_length):
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec speculative decoding supports decoder-only models; this model is encoder-decoder.")
-    if generation_config.num_beams is not None and generation_config.num_beams > 1:
-        raise ValueError(
-            f"Speculative decoding does not combine with beam search (num_beams={generation_config.num_beams}). "
-            "Set num_beams=1, or drop custom_generate to run beam search."
-        )
-    if generation_config.num_return_sequences is not None and generation_config.num_return_sequences > 1:
-        raise ValueError(
-            f"num_return_sequences={generation_config.num_return_sequences} is not supported with speculative "
-            "decoding. Repeat the prompt in the batch instead (input_ids.repeat(n, 1)) and sample with do_sample=True."
-        )
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError(
-            "output_attentions / output_hidden_states are not returned by speculative decoding (the target runs on "
-            "draft trees, not one token at a time). Drop them, or run plain generate() for those outputs."
-        )
+    reason = unsupported_mode(generation_config)
+    if reason is not None:
+        raise ValueError(reason)
     if input_ids.shape[1] == 0:
         raise ValueError("The prompt is empty: speculative decoding needs at least one prompt token.")
     mask_width = attention_mask.shape[1] if attention_mask is not None else dropped_mask_length(generation_config)

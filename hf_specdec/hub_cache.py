@@ -19,15 +19,24 @@ from .folders import write_file
 DEFAULT_ORG = "hf_specdec"
 
 
-def _method_files(method: str) -> dict[str, bytes]:
-    root = Path(custom_generate_path(method))
+def _folder_files(root: str | os.PathLike) -> dict[str, bytes]:
+    """The files of a folder that carries ``custom_generate/generate.py`` (a method's folder, or a model folder
+    after ``hf-specdec attach``), by relative path; no caches, no hidden files."""
+    root = Path(root)
     files = {}
     for path in sorted(root.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
-            files[path.relative_to(root).as_posix()] = path.read_bytes()
+        rel = path.relative_to(root)
+        if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc" \
+                and not any(part.startswith(".") for part in rel.parts):
+            files[rel.as_posix()] = path.read_bytes()
     if "custom_generate/generate.py" not in files:
-        raise FileNotFoundError(f"{root} has no custom_generate/generate.py")
+        raise FileNotFoundError(f"{root} has no custom_generate/generate.py (a model folder gets one from "
+                                "`hf-specdec attach`)")
     return files
+
+
+def _method_files(method: str) -> dict[str, bytes]:
+    return _folder_files(custom_generate_path(method))
 
 
 def write_cached_repo(cache_dir: str | os.PathLike, repo_id: str, files: dict[str, bytes],
@@ -63,15 +72,26 @@ def write_cached_repo(cache_dir: str | os.PathLike, repo_id: str, files: dict[st
     return snapshot
 
 
+def _cache(cache_dir) -> Path:
+    from huggingface_hub import constants
+
+    return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
+
+
+def install_folder(folder: str | os.PathLike, repo_id: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Place a model folder that carries ``custom_generate/`` (``hf-specdec attach``) in the Hub cache as the
+    repository ``repo_id``, as if downloaded: ``from_pretrained(repo_id, trust_remote_code=True)`` then loads it
+    offline. Returns the snapshot folder."""
+    return write_cached_repo(_cache(cache_dir), repo_id, _folder_files(folder))
+
+
 def install_hub_cache(cache_dir: str | os.PathLike | None = None, org: str = DEFAULT_ORG,
                       methods: list[str] | None = None, verbose: bool = True) -> list[Path]:
     """Write ``<org>/<method>`` repositories into the Hub cache (``$HF_HUB_CACHE`` by default).
 
     Re-installing identical files is a no-op (same commit hash). Returns the snapshot folders.
     """
-    from huggingface_hub import constants
-
-    cache = Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
+    cache = _cache(cache_dir)
     snapshots = []
     for method in methods or available_methods():
         snapshot = write_cached_repo(cache, f"{org}/{method}", _method_files(method))
@@ -82,22 +102,30 @@ def install_hub_cache(cache_dir: str | os.PathLike | None = None, org: str = DEF
 
 
 def publish(org: str = DEFAULT_ORG, methods: list[str] | None = None, token: str | None = None,
-            private: bool = False, dry_run: bool = False) -> list[str]:
-    """Create (or update) one Hub repository per method with its folder (needs network and a write token)."""
+            private: bool = False, dry_run: bool = False, folder: str | os.PathLike | None = None,
+            repo_id: str | None = None) -> list[str]:
+    """Create (or update) one Hub repository per method with its folder (needs network and a write token); with
+    ``folder`` and ``repo_id``, that model folder (attached by ``hf-specdec attach``) as the repository ``repo_id``."""
     from huggingface_hub import HfApi
 
+    if (folder is None) != (repo_id is None):
+        raise ValueError("Publishing a model folder takes both --folder and --repo.")
     api = HfApi(token=token)
     urls = []
-    for method in methods or available_methods():
-        repo_id = f"{org}/{method}"
-        folder = custom_generate_path(method)
+    if folder is not None:
+        _folder_files(folder)  # refuses a folder with nothing attached
+        uploads = [(repo_id, str(folder), "Upload a model folder with hf_specdec speculative decoding attached")]
+    else:
+        uploads = [(f"{org}/{method}", custom_generate_path(method), "Update hf_specdec custom_generate method")
+                   for method in methods or available_methods()]
+    for repo_id, folder, message in uploads:
         if dry_run:
             print(f"would upload {folder} -> https://huggingface.co/{repo_id}")
             urls.append(repo_id)
             continue
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=folder, ignore_patterns=["__pycache__/*", "*.pyc"],
-                                 commit_message="Update hf_specdec custom_generate method")
+        info = api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=message,
+                                 ignore_patterns=["__pycache__/*", "*.pyc", ".*"])
         urls.append(str(info))
         print(f"published {repo_id}")
     return urls

@@ -1,6 +1,6 @@
-"""The ``hf-specdec`` command: demo, generate, bench, methods, convert, export, train, regenerate, install-hub-cache,
-publish-hub. Method names, their options, drafter flags, converters and exporters come from the registry
-(:mod:`hf_specdec.registry`).
+"""The ``hf-specdec`` command: demo, generate, bench, methods, convert, export, train, regenerate, attach,
+install-hub-cache, publish-hub. Method names, their options, drafter flags, converters and exporters come from the
+registry (:mod:`hf_specdec.registry`).
 
 Here: the parser (:func:`build_parser`) and :func:`main`; each command's options and what it runs are in a module of
 its own (:mod:`~hf_specdec.cli.methods`, :mod:`~hf_specdec.cli.demo`, :mod:`~hf_specdec.cli.bench`,
