@@ -20,8 +20,8 @@ Loaded without ``trust_remote_code=True`` the folder is a plain model folder: no
 
 A call may still choose: ``custom_generate=`` (another method, or a callable) replaces the attached method for that
 call, and the attached method's options given to ``generate()`` override the recorded ones. A call asking for what
-speculative decoding does not do (beam search, ``num_return_sequences > 1``, contrastive search, DoLa, per-step
-attentions) runs with transformers' own ``generate()``, with a warning (once per reason): code written for the model
+speculative decoding does not do (beam search, ``num_return_sequences > 1``, contrastive search, DoLa, continuous
+batching with ``cache_implementation="paged"``, per-step attentions) runs with transformers' own ``generate()``, with a warning (once per reason): code written for the model
 keeps working. :func:`detach` (``hf-specdec
 attach FOLDER --remove``) removes what :func:`attach` wrote.
 """
@@ -217,33 +217,19 @@ def _model_folder(model, what: str) -> Path:
     return root / what
 
 
-def _unsupported(model, args, kwargs) -> str | None:
-    """:func:`hf_specdec.engine.unsupported_mode` of the call's generation config (its ``generation_config``, or the
-    model's, updated by the call's settings)."""
-    import copy
-
-    from transformers import GenerationConfig
-
-    from .engine import unsupported_mode
-
-    given = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
-    config = copy.deepcopy(given if isinstance(given, GenerationConfig) else model.generation_config)
-    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
-    return unsupported_mode(config)
-
-
 def generate_attached(attached_facts: dict, model, *args, **kwargs):
     """The body of an attached folder's ``generate``: the recorded method with its options and drafter, the call's
     own arguments first. A call that passes ``custom_generate=`` decodes with that instead (the model class's
     ``generate``)."""
-    from .entry import generate_with_method
+    from .entry import generate_with_method, unsupported_call
 
     kwargs.pop("trust_remote_code", None)  # meant for custom_generate=, which is handled here
     if kwargs.get("custom_generate") is not None:
         return type(model).generate(model, *args, **kwargs)
     kwargs.pop("custom_generate", None)
     method = attached_facts["method"]
-    reason = _unsupported(model, args, kwargs)
+    given = kwargs.get("generation_config", args[1] if len(args) > 1 else None)
+    reason = unsupported_call(model, given, kwargs)
     if reason is not None:  # beam search and the like: what the user's code asked for, run by transformers
         if reason not in _SAID:
             _SAID.add(reason)

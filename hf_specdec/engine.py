@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +52,13 @@ from .syncs import to_device
 from .timing import StepTimer
 from .tree import DraftTree
 from .verify import AcceptResult, accept
+
+# One line per call (method, tokens, acceptance length, target forwards, seconds) at INFO: a server's log shows what
+# speculation does (``HF_SPECDEC_LOG_CALLS=1`` prints them on stderr, e.g. under ``transformers serve``).
+CALLS = logging.getLogger("hf_specdec.calls")
+if os.environ.get("HF_SPECDEC_LOG_CALLS", "") not in ("", "0") and not CALLS.handlers:
+    CALLS.addHandler(logging.StreamHandler())
+    CALLS.setLevel(logging.INFO)
 
 
 @dataclass
@@ -125,7 +134,7 @@ class SpeculativeStats:
 
 def unsupported_mode(generation_config) -> str | None:
     """Why ``generation_config`` asks for what speculative decoding does not do (beam search, several sequences per
-    prompt, contrastive search, DoLa, per-step attentions), with the fix; ``None`` when it can speculate. A model
+    prompt, contrastive search, DoLa, continuous batching, per-step attentions), with the fix; ``None`` when it can speculate. A model
     folder with a method attached (:mod:`hf_specdec.attach`) runs such a call with transformers' own ``generate``."""
     c = generation_config
     if c.num_beams is not None and c.num_beams > 1:
@@ -140,6 +149,9 @@ def unsupported_mode(generation_config) -> str | None:
     if getattr(c, "dola_layers", None) is not None:
         return "Speculative decoding does not run DoLa decoding (dola_layers=...). Drop dola_layers, or drop " \
                "custom_generate to run it."
+    if c.cache_implementation == "paged":
+        return ("cache_implementation='paged' is transformers' continuous batching (generate_batch), which speculative "
+                "decoding does not run. Drop it, or drop custom_generate to batch continuously.")
     if c.output_attentions or c.output_hidden_states:
         return ("output_attentions / output_hidden_states are not returned by speculative decoding (the target runs "
                 "on draft trees, not one token at a time). Drop them, or run plain generate() for those outputs.")
@@ -311,6 +323,10 @@ def speculative_decode(
     if return_dict or user_defined_cache(given):  # the caller gets the cache back: aligned to the output
         cache = _hand_back(state, proposer, given, sequences.shape[1])
     stats.total_seconds = time.perf_counter() - t_start
+    if CALLS.isEnabledFor(logging.INFO):
+        CALLS.info(f"hf_specdec {stats.method}: {sequences.shape[0]} row(s), {stats.committed_tokens} tokens, acceptance "
+                   f"length {stats.acceptance_length:.2f}, {stats.target_forward_passes} target forwards, "
+                   f"{stats.total_seconds:.3f} s")
     if not return_dict:
         return sequences
     n_new = sequences.shape[1] - state.prompt_length

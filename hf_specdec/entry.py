@@ -27,7 +27,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria, Stoppi
 
 from . import registry
 from .coupling import seed_first
-from .engine import speculative_decode
+from .engine import speculative_decode, unsupported_mode
 from ._transformers import generation_defaults
 from ._transformers_frames import (TOKENIZERS, calling_generate_arguments, generate_arguments_in_flight,
                                    hand_tokenizers_on, unused_generate_arguments)
@@ -211,6 +211,9 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         if opts.get("drafter") is not None:
             raise ValueError("Pass the draft model once: assistant_model= or drafter=, not both.")
         opts["drafter"] = assistant_model
+    reason = unsupported_call(model, generation_config, kwargs)
+    if reason is not None:  # before generate(): it would switch to continuous batching for cache_implementation='paged'
+        raise ValueError(reason)
     _check_lengths(inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
     stop, generation_config = _take_stop_strings(model, generation_config, kwargs)
     if stop is not None:
@@ -238,6 +241,19 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         custom_generate=run,
         **kwargs,
     )
+
+
+def unsupported_call(model, generation_config, kwargs) -> str | None:
+    """:func:`hf_specdec.engine.unsupported_mode` of a ``generate()`` call: its ``generation_config`` (or the
+    model's) updated by its settings in ``kwargs``."""
+    import copy
+
+    from transformers import GenerationConfig
+
+    base = generation_config if isinstance(generation_config, GenerationConfig) else model.generation_config
+    config = copy.deepcopy(base)
+    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    return unsupported_mode(config)
 
 
 def _check_lengths(prompt, generation_config, kwargs) -> None:

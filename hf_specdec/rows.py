@@ -116,8 +116,9 @@ class RowBook:
             index = to_device([rows, cols, values], state.device)
             state.tokens[index[0], index[1]] = index[2]
         if self.streamer is not None and state.batch_size == 1:
-            for new in streams:
-                self.streamer.put(torch.tensor([new]))
+            for new in streams:  # one token per put, shaped as plain generate() puts it (a streamer may count puts)
+                for token in new:
+                    self.streamer.put(torch.tensor([token]))
 
     def _device_row(self, b: int, start: int, new: list[int]) -> torch.LongTensor:
         """Row ``b``'s device ids ``[1, start + len(new)]`` with ``new`` written after ``start`` (for stopping
