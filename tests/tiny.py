@@ -103,6 +103,17 @@ def word_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return tok
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}:{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def chat_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    """:func:`word_tokenizer` with a chat template (pipelines with chat messages, transformers serve)."""
+    tok = word_tokenizer(vocab)
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
 def prompts(batch: int = 1, length: int = 10, seed: int = 1, pad: bool = True, repeat: bool = True):
     """Random prompts (copy-friendly: the first half repeats) with left padding that differs per row."""
     g = torch.Generator().manual_seed(seed)
