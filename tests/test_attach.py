@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, pipeline
 
 import hf_specdec
 from hf_specdec.cli import main
+from hf_specdec.hub_cache import publish, write_cached_repo
 from tiny import chat_tokenizer, prompts, tiny_drafter, tiny_model, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,12 +188,22 @@ def test_attach_refuses_what_would_not_work(saved, tmp_path):
 
 
 def test_hub_round_trip_offline(saved, tmp_path):
-    """An attached folder placed in the local Hub cache as a repository (`hf-specdec install-hub-cache --folder`),
-    loaded by repo id with HF_HUB_OFFLINE=1: it finds its copied drafter in the cached snapshot and speculates."""
+    """An attached folder placed in the local Hub cache as a repository (`hf-specdec install-hub-cache --folder`; what
+    `publish-hub --folder` uploads), loaded by repo id with HF_HUB_OFFLINE=1: it finds its copied drafter in the cached
+    snapshot, or its drafter named by Hub id in the cache, and speculates."""
     folder = _copy(saved, tmp_path)
     hf_specdec.attach(folder, "assisted", drafter=saved / "draft", num_speculative_tokens=3)
     cache = tmp_path / "hub"
     main(["install-hub-cache", "--cache-dir", str(cache), "--folder", str(folder), "--repo", "someone/tiny-assisted"])
+    # a drafter named by Hub id: recorded, not copied, fetched (here: found in the cache) when the model is used
+    write_cached_repo(cache, "someone/tiny-draft", {p.name: p.read_bytes() for p in (saved / "draft").iterdir()})
+    named = _copy(saved, tmp_path, "named")
+    hf_specdec.attach(named, "assisted", drafter="someone/tiny-draft")
+    assert hf_specdec.attached(named)["drafter"] == {"hub": "someone/tiny-draft"}
+    main(["install-hub-cache", "--cache-dir", str(cache), "--folder", str(named), "--repo", "someone/tiny-named"])
+    assert publish(folder=named, repo_id="someone/tiny-named", dry_run=True) == ["someone/tiny-named"]
+    with pytest.raises(FileNotFoundError, match="hf-specdec attach"):
+        publish(folder=saved / "draft", repo_id="someone/x", dry_run=True)
     script = f"""
 import torch, sys
 sys.path.insert(0, {str(REPO / 'tests')!r})
@@ -201,13 +212,14 @@ from tiny import prompts
 ids, mask = prompts(2, 12)
 kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, eos_token_id=None)
 ref = AutoModelForCausalLM.from_pretrained({str(folder)!r}).generate(**kw)
-model = AutoModelForCausalLM.from_pretrained("someone/tiny-assisted", trust_remote_code=True)
-out = model.generate(**kw, return_dict_in_generate=True)
-assert torch.equal(out.sequences, ref), (out.sequences, ref)
-assert out.speculative_stats["method"].startswith("assisted"), out.speculative_stats
-print("ok", model.name_or_path)
+for repo in ("someone/tiny-assisted", "someone/tiny-named"):
+    model = AutoModelForCausalLM.from_pretrained(repo, trust_remote_code=True)
+    out = model.generate(**kw, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref), (out.sequences, ref)
+    assert out.speculative_stats["method"].startswith("assisted"), out.speculative_stats
+    print("ok", model.name_or_path)
 """
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_MODULES_CACHE": str(tmp_path / "mods")}
     res = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "ok someone/tiny-assisted" in res.stdout
+    assert "ok someone/tiny-assisted" in res.stdout and "ok someone/tiny-named" in res.stdout
