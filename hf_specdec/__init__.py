@@ -12,6 +12,15 @@ entry point.
 
 __version__ = "0.1.0"
 
+import logging as _logging
+import os as _os
+
+if _os.environ.get("HF_SPECDEC_LOG_CALLS", "") not in ("", "0"):  # one line per call on stderr (hf_specdec.engine.CALLS)
+    _calls = _logging.getLogger("hf_specdec.calls")
+    if not _calls.handlers:
+        _calls.addHandler(_logging.StreamHandler())
+        _calls.setLevel(_logging.INFO)
+
 from . import modeling  # noqa: F401  (registers the drafters' configs and models with the Auto classes)
 from .attach import attach, attached, detach
 from .draft_models import load_draft_model, save_draft_model

@@ -196,7 +196,7 @@ def detach(model_dir: str | os.PathLike, force: bool = False) -> bool:
 # ----------------------------------------------------------------------------------- the folder's generate, at run time
 def _model_folder(model, what: str) -> Path:
     """The folder (or Hub snapshot) ``model`` was loaded from, holding ``what``."""
-    name = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    name = getattr(model, "name_or_path", None) or getattr(model.config, "name_or_path", None)
     if name and Path(name).is_dir():
         root = Path(name)
     elif name:

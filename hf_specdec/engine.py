@@ -25,7 +25,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,11 +53,9 @@ from .tree import DraftTree
 from .verify import AcceptResult, accept
 
 # One line per call (method, tokens, acceptance length, target forwards, seconds) at INFO: a server's log shows what
-# speculation does (``HF_SPECDEC_LOG_CALLS=1`` prints them on stderr, e.g. under ``transformers serve``).
+# speculation does (``HF_SPECDEC_LOG_CALLS=1`` prints them on stderr, e.g. under ``transformers serve``: set up in
+# hf_specdec/__init__.py).
 CALLS = logging.getLogger("hf_specdec.calls")
-if os.environ.get("HF_SPECDEC_LOG_CALLS", "") not in ("", "0") and not CALLS.handlers:
-    CALLS.addHandler(logging.StreamHandler())
-    CALLS.setLevel(logging.INFO)
 
 
 @dataclass

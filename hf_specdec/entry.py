@@ -211,10 +211,10 @@ def generate_with_method(method: str, model, inputs=None, generation_config=None
         if opts.get("drafter") is not None:
             raise ValueError("Pass the draft model once: assistant_model= or drafter=, not both.")
         opts["drafter"] = assistant_model
+    _check_lengths(inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
     reason = unsupported_call(model, generation_config, kwargs)
     if reason is not None:  # before generate(): it would switch to continuous batching for cache_implementation='paged'
         raise ValueError(reason)
-    _check_lengths(inputs if inputs is not None else kwargs.get("input_ids"), generation_config, kwargs)
     stop, generation_config = _take_stop_strings(model, generation_config, kwargs)
     if stop is not None:
         stopping_criteria = StoppingCriteriaList([*(stopping_criteria or []), stop])
@@ -252,7 +252,10 @@ def unsupported_call(model, generation_config, kwargs) -> str | None:
 
     base = generation_config if isinstance(generation_config, GenerationConfig) else model.generation_config
     config = copy.deepcopy(base)
-    config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    try:
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+    except ValueError:  # an invalid setting: generate() reports it
+        return None
     return unsupported_mode(config)
 
 

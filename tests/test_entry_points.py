@@ -140,7 +140,8 @@ def test_hub_repo_id_offline_from_any_directory(tmp_path):
     readme = (REPO / "README.md").read_text()
     assert said.replace("prompt_lookup", "eagle3") in " ".join(readme.split())
     assert "hf-specdec install-hub-cache" in readme
-    first = readme.split("## Quick start")[1].split("```python")[1].split("```")[0]  # the README's first example
+    # the README's first custom_generate example (the quick start opens with attach, which needs no argument)
+    first = readme.split("### `model.generate(custom_generate=...)`")[1].split("```python")[1].split("```")[0]
     assert "custom_generate_path(" in first and 'custom_generate="hf_specdec/' not in first
     subprocess.run([sys.executable, "-m", "hf_specdec.cli", "install-hub-cache"], cwd=work, env=env, check=True,
                    capture_output=True)
