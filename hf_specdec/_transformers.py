@@ -131,6 +131,11 @@ def keep_in_fp32_strict(model_class) -> list[str]:
     return list(getattr(model_class, "_keep_in_fp32_modules_strict", None) or [])
 
 
+# generate()'s renamed keywords (its @deprecate_kwarg decorators): old name -> new. A model folder's custom generate,
+# called in place of generate(), gets them as the caller wrote them. Checked: 5.24.0, 5.25.0.
+GENERATE_RENAMED_KWARGS = {"past_key_values": "cache", "cache_params": "cache"}
+
+
 def user_defined_cache(cache) -> bool:
     """Whether ``generate()`` got ``cache`` from its caller (``cache=`` / ``past_key_values=``; it marks such a cache
     ``_is_user_defined``, not one it made itself): the loop fills a caller's cache, as ``generate()`` does.

@@ -221,9 +221,15 @@ def generate_attached(attached_facts: dict, model, *args, **kwargs):
     """The body of an attached folder's ``generate``: the recorded method with its options and drafter, the call's
     own arguments first. A call that passes ``custom_generate=`` decodes with that instead (the model class's
     ``generate``)."""
+    from ._transformers import GENERATE_RENAMED_KWARGS
     from .entry import generate_with_method, unsupported_call
 
     kwargs.pop("trust_remote_code", None)  # meant for custom_generate=, which is handled here
+    for old, new in GENERATE_RENAMED_KWARGS.items():  # past_key_values= as generate() takes it: its cache=
+        if old in kwargs:
+            if kwargs.get(new) is not None:
+                raise ValueError(f"Pass the cache once: {old}= or {new}=, not both.")
+            kwargs[new] = kwargs.pop(old)
     if kwargs.get("custom_generate") is not None:
         return type(model).generate(model, *args, **kwargs)
     kwargs.pop("custom_generate", None)

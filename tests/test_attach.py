@@ -72,6 +72,23 @@ def test_attached_generate_is_the_method_with_its_options_and_copied_drafter(sav
     assert torch.equal(out.sequences, ref) and stats["proposed_drafts"] > 2 * stats["verify_row_steps"]
 
 
+def test_a_conversation_continued_from_its_cache(saved, tmp_path):
+    """past_key_values=out.past_key_values (as transformers documents it; generate() itself renames it cache=, a
+    folder's generate gets it as written): the next turn equals plain decoding's and prefills only its new tokens."""
+    folder = _copy(saved, tmp_path)
+    hf_specdec.attach(folder, "assisted", drafter=saved / "draft")
+    ids, mask = prompts(2, 12)
+    turns = []
+    for model in (_load(folder, False), _load(folder, True)):
+        first = model.generate(input_ids=ids, attention_mask=mask, **GEN, return_dict_in_generate=True)
+        more = torch.cat([first.sequences, ids[:, -4:]], 1)
+        again = torch.cat([mask, torch.ones(2, more.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        turns.append(model.generate(input_ids=more, attention_mask=again, past_key_values=first.past_key_values,
+                                    **GEN, return_dict_in_generate=True))
+    assert torch.equal(turns[1].sequences, turns[0].sequences)
+    assert turns[1].speculative_stats["cached_tokens"] > 0
+
+
 def test_sampling_streamers_and_stop_strings(saved, tmp_path):
     from transformers.generation.streamers import BaseStreamer
 
