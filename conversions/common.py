@@ -17,6 +17,18 @@ class ConversionError(ValueError):
     pass
 
 
+def could_be_repo_id(text: str) -> bool:
+    """Whether ``text`` (a path that does not exist) can be a Hub repo id: ``org/name``, not ``/abs/path``, ``./x``,
+    ``~/x`` or ``a/b/c``."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(text)
+    except HFValidationError:
+        return False
+    return "\\" not in text and not text.startswith((".", "~"))
+
+
 def resolve_source(source: str | os.PathLike, revision: str | None = None, allow_patterns: list[str] | None = None
                    ) -> Path:
     """A local folder as is, or a Hub repo id downloaded (only ``allow_patterns``) with huggingface_hub.
@@ -31,14 +43,8 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None, allow
     if path.exists():
         raise ConversionError(f"{text} is a file; give the folder that holds config.json and the weights.")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    try:
-        validate_repo_id(text)
-        is_repo_id = "\\" not in text and not text.startswith((".", "~"))
-    except HFValidationError:
-        is_repo_id = False
-    if not is_repo_id:
+    if not could_be_repo_id(text):
         raise FileNotFoundError(f"{text} does not exist (looked from {os.getcwd()}), and it cannot be a Hub repo id.")
     patterns = allow_patterns or (["config.json", "*.json"] + WEIGHT_PATTERNS)
     try:

@@ -130,6 +130,7 @@ def attach(model_dir: str | os.PathLike, method: str, *, drafter: str | os.PathL
         >>> model.generate(**inputs, max_new_tokens=64)  # speculative, identical to plain  # doctest: +SKIP
     """
     from . import __version__
+    from .conversions.common import could_be_repo_id
     from .folders import write_file
 
     folder = _folder(model_dir)
@@ -164,9 +165,13 @@ def attach(model_dir: str | os.PathLike, method: str, *, drafter: str | os.PathL
             if copy_drafter if copy_drafter is not None else local:
                 _copy_drafter(text, staging / Path(DRAFTER_FOLDER).name)
                 where = {"copied": Path(DRAFTER_FOLDER).name}
+            elif Path(text).expanduser().exists():
+                where = {"path": str(Path(text).expanduser().resolve())}
+            elif could_be_repo_id(text):
+                where = {"hub": text}
             else:
-                where = {"path": str(Path(text).expanduser().resolve())} if Path(text).expanduser().exists() \
-                    else {"hub": text}
+                raise FileNotFoundError(f"The drafter {text} does not exist (looked from {os.getcwd()}), and it cannot "
+                                        "be a Hub repo id.")
         facts = {"method": method, "options": options, "drafter": where, "hf_specdec": __version__}
         write_file(staging / "generate.py", _TEMPLATE.format(mark=_MARK, attached=repr(facts)))
         write_file(staging / "requirements.txt", f"hf_specdec>={__version__}\n")

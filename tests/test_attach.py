@@ -189,6 +189,8 @@ def test_attach_refuses_what_would_not_work(saved, tmp_path):
         hf_specdec.attach(folder, "prompt_lookup", drafter=saved / "draft")
     with pytest.raises(ValueError, match="needs a drafter.*--drafter"):  # no drafter ships for this tiny model
         hf_specdec.attach(folder, "eagle3")
+    with pytest.raises(FileNotFoundError, match="does not exist.*cannot be a Hub repo id"):
+        hf_specdec.attach(folder, "assisted", drafter=tmp_path / "no-such-drafter")
     with pytest.raises(ValueError, match="save it first"):
         hf_specdec.attach(folder, "assisted", drafter=tiny_model("llama", layers=1))
     with pytest.raises(ValueError, match="cannot be recorded"):
