@@ -34,7 +34,10 @@ class TransformersServer:
     def __init__(self, folder, trust_remote_code: bool = False, env: dict | None = None, log=None,
                  ready_timeout: float = 240, extra_args: tuple[str, ...] = ()):
         self.folder = str(folder)
-        self.log = Path(log) if log is not None else Path(tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")[1])
+        if log is None:
+            handle, log = tempfile.mkstemp(prefix="transformers-serve-", suffix=".log")
+            os.close(handle)
+        self.log = Path(log)
         self.command = [sys.executable, "-m", "transformers.cli.transformers", "serve", self.folder, "--host",
                         "127.0.0.1", "--port", "0", *([] if _cuda() else ["--device", "cpu"]), *extra_args]
         if trust_remote_code:
