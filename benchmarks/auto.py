@@ -23,16 +23,9 @@ import hf_specdec
 from hf_specdec.bench.data import load
 from hf_specdec.default_model import load_smollm2
 from hf_specdec.draft_models import load_draft_model
+from hf_specdec.dtypes import cpu_name
 from hf_specdec.kernels import padded_plain_decoding
 from hf_specdec.registry import shipped_folder
-
-try:
-    from sampling import cpu_name  # benchmarks/ on the path when run as a script
-except ImportError:  # pragma: no cover
-    import platform
-
-    def cpu_name() -> str:
-        return platform.processor()
 
 
 def entries(model, student) -> dict:

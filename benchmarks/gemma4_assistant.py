@@ -24,27 +24,18 @@ Usage: python benchmarks/gemma4_assistant.py [--new 96] [--runs 3] [--threads 1]
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
 import hf_specdec
+from hf_specdec.dtypes import cpu_name
 
 VOCAB, HIDDEN, LAYERS, WINDOW = 8192, 256, 8, 32
 POST_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight",
               "post_per_layer_input_norm.weight")
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:  # pragma: no cover
-        return platform.processor()
 
 
 def _text(layers: int, types: list[str], **kw) -> Gemma4TextConfig:

@@ -504,12 +504,9 @@ def noise_cost(device, vocab: int, reps: int = 20) -> dict:
 def _machine(device) -> dict:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    from hf_specdec.dtypes import cpu_name
+
+    cpu = cpu_name()
     return {"platform": platform.platform(), "cpu": cpu, "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({cpu})",

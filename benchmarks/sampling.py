@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 
 import torch
@@ -26,20 +24,10 @@ import hf_specdec
 from hf_specdec.bench.data import load
 from hf_specdec.default_model import load_smollm2
 from hf_specdec.demo import available_demo_methods
+from hf_specdec.dtypes import cpu_name
 from hf_specdec.kernels import padded_plain_decoding
 
 METHODS = ["prompt_lookup", "assisted", "eagle3", "dflash", "medusa", "mtp", "layerskip"]
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        name = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = next(line for line in out.splitlines() if line.startswith("Flags"))
-        return f"{name}, {'avx512_bf16' if 'avx512_bf16' in flags else 'no avx512_bf16'}, " \
-               f"{'amx_bf16' if 'amx_bf16' in flags else 'no AMX'}"
-    except Exception:  # pragma: no cover
-        return platform.processor()
 
 
 def main():

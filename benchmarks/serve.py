@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -55,6 +54,7 @@ def main(argv=None) -> int:
     from hf_specdec.bench import data
     from hf_specdec.bench.served import TransformersServer
     from hf_specdec.default_model import cache_root, load_smollm2
+    from hf_specdec.dtypes import cpu_name
     from hf_specdec.kernels import padded_plain_decoding
 
     folder = Path(args.folder or cache_root() / "serve-bench" / "smollm2-135m-instruct")
@@ -67,11 +67,7 @@ def main(argv=None) -> int:
     prompts = [p for name in args.datasets.split(",") for p in getattr(data, name)()[:args.limit]]
     chats = [[{"role": "user", "content": p.text}] for p in prompts]
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     print(f"{args.method} attached to {folder}; {len(chats)} chats, {args.max_new_tokens} new tokens at most; "
           f"CPU {cpu}, torch {torch.__version__}", file=sys.stderr)
 

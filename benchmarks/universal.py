@@ -23,15 +23,8 @@ import torch
 import hf_specdec
 from hf_specdec.bench.data import load
 from hf_specdec.default_model import load_gemma3_270m, load_smollm2
+from hf_specdec.dtypes import cpu_name
 from hf_specdec.kernels import padded_plain_decoding
-
-try:
-    from sampling import cpu_name  # benchmarks/ on the path when run as a script
-except ImportError:  # pragma: no cover
-    import platform
-
-    def cpu_name() -> str:
-        return platform.processor()
 
 
 def entries(model, tok, drafter, dtok, fixed: int) -> dict:

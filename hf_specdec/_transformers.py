@@ -136,6 +136,12 @@ def keep_in_fp32_strict(model_class) -> list[str]:
 GENERATE_RENAMED_KWARGS = {"past_key_values": "cache", "cache_params": "cache"}
 
 
+def loaded_revision(config) -> str | None:
+    """The Hub commit a model was loaded from (``config._commit_hash``; ``None`` for a local folder). Checked:
+    5.24.0, 5.25.0."""
+    return getattr(config, "_commit_hash", None)
+
+
 def user_defined_cache(cache) -> bool:
     """Whether ``generate()`` got ``cache`` from its caller (``cache=`` / ``past_key_values=``; it marks such a cache
     ``_is_user_defined``, not one it made itself): the loop fills a caller's cache, as ``generate()`` does.

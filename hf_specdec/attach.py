@@ -29,6 +29,7 @@ attach FOLDER --remove``) removes what :func:`attach` wrote.
 from __future__ import annotations
 
 import ast
+import functools
 import logging
 import os
 import shutil
@@ -201,17 +202,13 @@ def detach(model_dir: str | os.PathLike, force: bool = False) -> bool:
 # ----------------------------------------------------------------------------------- the folder's generate, at run time
 def _model_folder(model, what: str) -> Path:
     """The folder (or Hub snapshot) ``model`` was loaded from, holding ``what``."""
+    from ._transformers import loaded_revision
+
     name = getattr(model, "name_or_path", None) or getattr(model.config, "name_or_path", None)
     if name and Path(name).is_dir():
         root = Path(name)
     elif name:
-        from huggingface_hub import snapshot_download
-
-        try:
-            root = Path(snapshot_download(name, revision=getattr(model.config, "_commit_hash", None),
-                                          allow_patterns=[f"{what}/*"]))
-        except Exception as err:  # offline, not found: said below
-            raise FileNotFoundError(f"The drafter attached to {name!r} ({what}) could not be fetched: {err}") from err
+        root = _snapshot(name, loaded_revision(model.config), what)
     else:
         root = None
     if root is None or not (root / what).is_dir():
@@ -220,6 +217,18 @@ def _model_folder(model, what: str) -> Path:
                                 "another model (custom_generate=<folder>), or its drafter was removed. Pass drafter= "
                                 "to generate(), or attach again.")
     return root / what
+
+
+@functools.lru_cache(maxsize=16)
+def _snapshot(repo_id: str, revision: str | None, what: str) -> Path:
+    """The Hub snapshot of ``repo_id`` with its folder ``what`` fetched (or found in the local cache): once per
+    repository, revision and folder, not at every call."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=[f"{what}/*"]))
+    except Exception as err:  # offline, not found
+        raise FileNotFoundError(f"The drafter attached to {repo_id!r} ({what}) could not be fetched: {err}") from err
 
 
 def generate_attached(attached_facts: dict, model, *args, **kwargs):

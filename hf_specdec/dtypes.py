@@ -51,6 +51,23 @@ def _cpu_flags() -> frozenset[str] | None:
     return None
 
 
+def cpu_name() -> str:
+    """The processor's name and its half-precision features, for the record of a measurement (``"AMD EPYC,
+    avx512_bf16, no AMX"``): /proc/cpuinfo's ``model name`` and :func:`_cpu_flags`; ``platform.processor()`` where
+    there is no /proc/cpuinfo."""
+    import platform
+
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        return name
+    flags = _cpu_flags() or frozenset()
+    return f"{name}, {'avx512_bf16' if 'avx512_bf16' in flags else 'no avx512_bf16'}, " \
+           f"{'amx_bf16' if 'amx_bf16' in flags else 'no AMX'}"
+
+
 def cpu_supports(dtype: torch.dtype) -> bool:
     """Whether this CPU has fast kernels for half-precision ``dtype`` (:data:`CPU_FEATURES`), from /proc/cpuinfo;
     where that cannot be read (not Linux, not x86), torch's own oneDNN check.

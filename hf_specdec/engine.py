@@ -131,8 +131,9 @@ class SpeculativeStats:
 
 def unsupported_mode(generation_config) -> str | None:
     """Why ``generation_config`` asks for what speculative decoding does not do (beam search, several sequences per
-    prompt, contrastive search, DoLa, continuous batching, per-step attentions), with the fix; ``None`` when it can speculate. A model
-    folder with a method attached (:mod:`hf_specdec.attach`) runs such a call with transformers' own ``generate``."""
+    prompt, contrastive search, DoLa, continuous batching, per-step attentions), with the fix; ``None`` when it can
+    speculate. A model folder with a method attached (:mod:`hf_specdec.attach`) runs such a call with transformers'
+    own ``generate``."""
     c = generation_config
     if c.num_beams is not None and c.num_beams > 1:
         return (f"Speculative decoding does not combine with beam search (num_beams={c.num_beams}). Set num_beams=1, "

@@ -205,6 +205,20 @@ def test_attach_refuses_what_would_not_work(saved, tmp_path):
     assert not list(folder.glob(".custom_generate*"))  # nothing left of the staging
 
 
+def test_an_attached_model_names_what_it_misses(saved, tmp_path):
+    """The copied drafter removed after loading, the cache passed twice: each call refused with the cause and fix."""
+    folder = _copy(saved, tmp_path)
+    hf_specdec.attach(folder, "assisted", drafter=saved / "draft")
+    model = _load(folder, True)
+    ids, _ = prompts(1, 12)
+    with pytest.raises(ValueError, match="Pass the cache once"):
+        model.generate(ids, **GEN, past_key_values=object(), cache=object())
+    shutil.rmtree(folder / "custom_generate" / "drafter")
+    with pytest.raises(FileNotFoundError, match="not beside the model.*Pass drafter="):
+        model.generate(ids, **GEN)
+    assert torch.equal(model.generate(ids, **GEN, drafter=str(saved / "draft")), _load(folder, False).generate(ids, **GEN))
+
+
 def test_hub_round_trip_offline(saved, tmp_path):
     """An attached folder placed in the local Hub cache as a repository (`hf-specdec install-hub-cache --folder`; what
     `publish-hub --folder` uploads), loaded by repo id with HF_HUB_OFFLINE=1: it finds its copied drafter in the cached
