@@ -47,6 +47,39 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
     return DynamicCache()
 
 
+
+class FixedDraftCache:
+    """A drafter's KV cache at a fixed width, for drafting at fixed shapes (:mod:`hf_specdec.graphs`): per layer
+    ``keys, values [B, heads, width, head_dim]``, allocated before the first forward and kept for later calls of the
+    same batch size and width by its owner (the same addresses, so CUDA graphs recorded over it stay valid). A forward
+    writes its rows at the columns ``at`` names (set by the caller before it: a ``slice`` of fixed bounds or a ``[n]``
+    index tensor) and attends over the whole width, the columns it may not see masked. Nothing is ever cut back:
+    columns past the context are overwritten by the next writes there."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.at = None
+        self.warmed: set = set()  # what its owner has compiled (captured) over it at every size
+
+    def allocate(self, batch_size: int, heads: int, head_dim: int, layers: int, dtype, device) -> "FixedDraftCache":
+        """Zeroed buffers for ``layers`` layers (before any forward: never inside a compiled region)."""
+        shape = (batch_size, heads, self.width, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        return self
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int):
+        """Write ``keys, values [B, heads, n, head_dim]`` at the columns ``at``; returns the layer's whole width."""
+        if isinstance(self.at, slice):
+            self.keys[layer][:, :, self.at] = keys
+            self.values[layer][:, :, self.at] = values
+        else:
+            self.keys[layer].index_copy_(2, self.at, keys)
+            self.values[layer].index_copy_(2, self.at, values)
+        return self.keys[layer], self.values[layer]
+
 # ---- continuing from a cache an earlier call filled (a conversation's next turn)
 RECORD = "hf_specdec_continuation"  # the attribute of a cache handed back by a call: its :class:`Continuation`
 

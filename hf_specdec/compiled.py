@@ -15,10 +15,13 @@ change size every step and a dynamic cache grows by a column per token. So, with
   GPU, inductor's default mode on a CPU. The first verification compiles every bucket up to the proposer's largest
   tree (``max_nodes``), so that a later call records nothing new for its sizes. Compiled once per runner (one per
   model, :func:`~hf_specdec.runner_choice.runner_for`), so later calls reuse the graphs of earlier ones;
-* the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every method that
-  drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed from
-  its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), and the loop's functions of tensors (the tree's mask,
-  the greedy rule, the cache commit). The host bookkeeping inside a proposal (lists of committed tokens, the rows'
+* a proposer that drafts at fixed shapes (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`: EAGLE-3,
+  Medusa) runs its drafter's forwards through :meth:`CompiledRunner.fixed` (:mod:`hf_specdec.graphs`: compiled at fixed
+  shapes, a CUDA graph per shape on a GPU, over a drafter cache the runner keeps for later calls);
+* the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every other method
+  that drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed
+  from its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), and the loop's functions of tensors (the tree's
+  mask, the greedy rule, the cache commit). The host bookkeeping inside a proposal (lists of committed tokens, the rows'
   budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length. The
   prefill runs eagerly.
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 
 import torch
 from transformers import StaticCache
@@ -45,6 +49,7 @@ from . import cache as cache_ops
 from ._transformers import static_layer_length
 from .attention import TENSOR, tree_mask_format
 from .dtypes import HALF
+from .graphs import FixedShapeRegion, dense
 from .runners import TargetRunner, TargetSession, device_type_of, logger
 from .tree import tree_inputs
 
@@ -80,6 +85,7 @@ class CompiledSession(TargetSession):
         self.cuda = device_type_of(self.model) == "cuda"
         self._past: int | None = None  # cached columns before the next forward's (set by verify)
         self._parts: list | None = None  # the proposers whose propose runs compiled for the call
+        self._fixed_parts: list = []  # those drafting at fixed shapes for the call (hf_specdec.graphs)
         self._max_nodes = 1  # the proposer's largest tree (root included): the sizes compiled on first use
         self._cache_device = None  # the static cache's one device, False if several (set on the first commit)
         self._tensor_masks: bool | None = None  # the call's tree masks are tensors (set on first verification)
@@ -87,15 +93,19 @@ class CompiledSession(TargetSession):
     def __exit__(self, *exc) -> None:
         for part in self._parts or ():
             part.__dict__.pop("propose", None)  # the class's own propose again
+        for part in self._fixed_parts:
+            part.draft_at_fixed_shapes(None)
         super().__exit__(*exc)
 
     def propose(self, proposer, state):
         """The proposal with the proposer's network parts (:meth:`~hf_specdec.proposers.Proposer.network_parts`)
-        drafting through their compiled ``propose`` (:meth:`CompiledRunner.fused`), set on the instances
-        for the call."""
+        drafting at fixed shapes where they can (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`), else
+        through their compiled ``propose`` (:meth:`CompiledRunner.fused`), set on the instances for the call."""
         if self._parts is None:
             self._max_nodes = max(1, proposer.max_nodes)
-            self._parts = proposer.network_parts()
+            parts = proposer.network_parts()
+            self._fixed_parts = [part for part in parts if part.draft_at_fixed_shapes(self.runner)]
+            self._parts = [part for part in parts if part not in self._fixed_parts]
             for part in self._parts:
                 part.propose = functools.partial(self.runner.fused(type(part).propose), part)
         with warnings.catch_warnings():
@@ -145,15 +155,12 @@ class CompiledSession(TargetSession):
         if not tensors:
             width = q  # another mask format (a flex BlockMask): run unpadded (a graph per size, still correct)
         pad = width - q
-        if pad:  # padding nodes: copies of the first node (the root), which no node attends to
-            input_ids = torch.cat([input_ids, input_ids[:, :1].expand(-1, pad)], dim=1)
-            position_ids = torch.cat([position_ids, position_ids[:, :1].expand(-1, pad)], dim=1)
-            attention_mask = _map_masks(attention_mask, lambda m: torch.cat([m, m[:, :, :1].expand(-1, -1, pad, -1)],
-                                                                              dim=2))
+        if pad:  # padding nodes: copies of the first node (the root), which no node attends to (one region)
+            input_ids, position_ids, attention_mask = self.runner.fused(_pad_nodes)(input_ids, position_ids,
+                                                                                    attention_mask, pad)
         # dense inputs: a graph is specialised to strides too (expanded tokens would be another one)
-        inputs = dict(input_ids=input_ids.contiguous(), position_ids=position_ids.contiguous(),
-                      attention_mask=_map_masks(attention_mask, lambda m: m.contiguous() if isinstance(m, torch.Tensor)
-                                                else m))
+        inputs = dict(input_ids=dense(input_ids), position_ids=dense(position_ids),
+                      attention_mask=_map_masks(attention_mask, dense))
         if self._past is not None:
             self._warm(inputs, width, others=tensors)
         with self.forward_context(width):
@@ -199,13 +206,20 @@ class CompiledSession(TargetSession):
                                         **self.forward_kwargs)
 
 
+def _pad_nodes(input_ids, position_ids, attention_mask, pad: int):
+    """Verification inputs with ``pad`` padding nodes after the ``q`` real ones: copies of the first (the root)."""
+    return (torch.cat([input_ids, input_ids[:, :1].expand(-1, pad)], dim=1),
+            torch.cat([position_ids, position_ids[:, :1].expand(-1, pad)], dim=1),
+            _map_masks(attention_mask, lambda m: torch.cat([m, m[:, :, :1].expand(-1, -1, pad, -1)], dim=2)))
+
+
 def _resized(inputs: dict, width: int) -> dict:
     """Verification inputs of another ``width`` nodes (for compiling that size): cut, or padded with copies of the
     first node as :meth:`CompiledSession.forward` pads."""
     def fit(t, dim):
         have = t.shape[dim]
         if width <= have:
-            return t.narrow(dim, 0, width).contiguous()
+            return dense(t.narrow(dim, 0, width))
         shape = list(t.shape)
         shape[dim] = width - have
         return torch.cat([t, t.narrow(dim, 0, 1).expand(shape)], dim=dim).contiguous()
@@ -239,6 +253,9 @@ class CompiledRunner(TargetRunner):
         self.cache_length = self.MIN_CACHE
         self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
         self.compiled_fns: dict = {}  # a function of the step (or a proposer's propose) -> its compiled self
+        # drafter -> what a proposer drafting at fixed shapes keeps for later calls (EAGLE-3: its FixedDraftCache,
+        # whose CUDA graphs later calls replay; Medusa: the sizes compiled)
+        self.draft_buffers = weakref.WeakKeyDictionary()
 
     def fused(self, fn):
         """``fn`` through ``torch.compile`` with dynamic shapes, made once per function: a function of the step's
@@ -247,8 +264,8 @@ class CompiledRunner(TargetRunner):
 
         Dynamic shapes from the first compilation (``dynamic=True``: sizes symbolic, but for 0 and 1), as the drafters'
         own caches and the layout grow every step and the context a drafter is fed first is the prompt: a new prompt
-        length is then no new graph. So inductor's default mode on a GPU too: CUDA graphs need fixed shapes (static
-        drafter caches, a fixed-width layout), which the loop does not have yet."""
+        length is then no new graph. So inductor's default mode on a GPU too: CUDA graphs need fixed shapes, which
+        :meth:`fixed` gives the proposers that draft at them."""
         if fn not in self.compiled_fns:
             compiled = torch.compile(fn, backend=self.backend, dynamic=True)
 
@@ -259,6 +276,15 @@ class CompiledRunner(TargetRunner):
 
             self.compiled_fns[fn] = run
         return self.compiled_fns[fn]
+
+    def fixed(self, fn):
+        """``fn(owner, *tensors)`` as a :class:`~hf_specdec.graphs.FixedShapeRegion` (made once per function): compiled
+        at fixed shapes, one CUDA graph per shape on a GPU. What a proposer drafting at fixed shapes runs its drafter
+        through (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`)."""
+        key = (fn, "fixed")
+        if key not in self.compiled_fns:
+            self.compiled_fns[key] = FixedShapeRegion(fn, backend=self.backend, limits=_limits)
+        return self.compiled_fns[key]
 
     def cache_for_call(self, cache):
         """An empty static cache at least as long as every earlier call's (the loop sizes the one it runs with from

@@ -33,7 +33,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP = "hf_specdec.step"  # the name of a decoding step's profiler range
-COMPILED = ("Torch-Compiled Region",)  # profiler ranges of compiled code: one launch each (a graph replay on a GPU)
+# profiler ranges of compiled code: one launch each (a graph replay on a GPU; hf_specdec.graphs' replays by hand)
+COMPILED = ("Torch-Compiled Region", "hf_specdec.graph_replay")
 # operations that start no kernel: views, allocations, metadata, no-op conversions (their work, if any, is a child)
 NO_KERNEL = frozenset(f"aten::{name}" for name in (
     "view", "_unsafe_view", "reshape", "_reshape_alias", "view_as", "slice", "select", "narrow", "expand",

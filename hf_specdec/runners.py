@@ -209,6 +209,11 @@ class TargetRunner:
         region by the compiled runner (:meth:`hf_specdec.compiled.CompiledRunner.fused`)."""
         return fn
 
+    def fixed(self, fn):
+        """``fn(owner, *tensors)`` at fixed shapes as this runner runs it: itself here; compiled per shape, and a CUDA
+        graph per shape on a GPU, by the compiled runner (:class:`hf_specdec.graphs.FixedShapeRegion`)."""
+        return fn
+
     @property
     def cost_prior(self) -> dict[int, float]:
         """Relative forward costs assumed before any is measured."""

@@ -345,7 +345,8 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
             rotary: :meth:`rotary` of ``position_ids`` (or any ``[B or 1, T or 1, 1, head_dim]`` views of it), when
                 the caller has it already (a draft tree computes it once for all its depths).
             logits_to_keep: as transformers' models: the logits of the last ``logits_to_keep`` rows only (``0``: of
-                every row); a long context fed at once needs its last row's only.
+                every row); a long context fed at once needs its last row's only. A ``[B]`` tensor: the logits of
+                that one row of each batch row (a context fed with holes or padding, whose root rows differ).
 
         Returns ``(logits [B, T or logits_to_keep, draft_vocab_size], prenorm [B, T, hidden_size])`` (and
         ``(k, v)`` with ``return_kv``).
@@ -353,7 +354,11 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
         hidden = self.project(hidden_states.to(self.fc.weight.dtype))
         hidden, kv = self.midlayer(embeds, hidden, position_ids, attention_mask, cache, extra_kv, rotary)
-        logits = self.lm_head(self.norm(hidden[:, -logits_to_keep:] if logits_to_keep else hidden))
+        if isinstance(logits_to_keep, torch.Tensor):  # one row per batch row: [B] row indices
+            kept = hidden.gather(1, logits_to_keep[:, None, None].expand(-1, 1, hidden.shape[-1]))
+        else:
+            kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        logits = self.lm_head(self.norm(kept))
         return (logits, hidden, kv) if return_kv else (logits, hidden)
 
 

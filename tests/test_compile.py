@@ -96,25 +96,69 @@ def _eagle3(target):
     return on_device(drafter.eval())
 
 
-def test_eagle3_tree_lossless_and_no_recompile_after_warm_up(eager_backend):
-    """A batch (left padding, rows accepting different lengths) of 3-node trees verified at 4 nodes; a second call
-    with another prompt length compiles nothing new."""
+def test_eagle3_tree_drafts_at_fixed_shapes(eager_backend, monkeypatch):
+    """compile=True drafts EAGLE-3's tree at fixed shapes (hf_specdec.graphs; a CUDA graph per shape on a GPU): the
+    drafter's cache a fixed one kept by the runner, the context fed at bucket sizes, the expansion one graph per depth
+    limit, each compiled whole (no graph break, no host read) on the first call. A padded batch whose rows accept
+    different lengths decodes as the target's own greedy generate(); a second call with another prompt length compiles
+    nothing at all (no verification size, drafter context length or row budget is a new graph: host bookkeeping is
+    never traced, hf_specdec.syncs.host_side). The second call and a coupled sampling call (the plain method's text
+    for the seed) take the GPU's path, a graph per shape over input buffers of its own, with a stand-in for the CUDA
+    graph (:class:`_ReplayOnTheCpu`)."""
+    from hf_specdec.cache import FixedDraftCache
+    from hf_specdec.graphs import FixedShapeRegion
+    from test_coupled import _run
+
     bsz = 2
     target = tiny_model("llama", layers=4, hidden=H)
     drafter = _eagle3(target)
-    method = hf_specdec.decoding_method("eagle3", drafter=drafter, tree_top_k=2, tree_depth=2, tree_total_tokens=3,
+    method = hf_specdec.decoding_method("eagle3", drafter=drafter, tree_top_k=2, tree_depth=3, tree_total_tokens=5,
                                         draft_length_schedule="constant", compile=True)
-    graphs = []
-    for length in (12, 15):  # the second call: another prompt length
+    runner = runner_for(target, compile=True)
+    graphs, compiles = [], []
+    for length in (12, 15):
         ids, mask = prompts(bsz, length, seed=bsz)
         ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW)
         out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW,
                               return_dict_in_generate=True, custom_generate=method)
         assert torch.equal(out.sequences, ref)
         assert out.speculative_stats["proposed_drafts"] > 0
+        regions = {key[0].__name__: fn for key, fn in runner.compiled_fns.items() if isinstance(fn, FixedShapeRegion)}
+        assert set(regions) == {"_feed_region", "_expand_fixed"} and all(r.calls for r in regions.values())
+        assert isinstance(runner.draft_buffers[drafter][1], FixedDraftCache)
+        compiles.append({name: r.compiles for name, r in regions.items()})
         graphs.append(_graphs())
-    assert graphs[1] == graphs[0]  # the second call compiled nothing: no graph for its verification sizes, the
-    # drafter's context length or the rows' budgets (host bookkeeping is never traced: hf_specdec.syncs.host_side)
+        if target.device.type == "cpu":  # from here on the graph path, a stand-in replaying on the CPU
+            monkeypatch.setattr(FixedShapeRegion, "GRAPHED", ("cuda", "cpu"))
+            monkeypatch.setattr(FixedShapeRegion, "GRAPH", _ReplayOnTheCpu)
+    # the first call compiled the feed at 1, 2, 4, 8 and 16 rows and the tree at depth limits 1, 2 and 3, no more
+    assert compiles[0] == compiles[1] == {"_feed_region": 5, "_expand_fixed": 3}
+    assert graphs[1] == graphs[0]
+    captured = {name: r.captures for name, r in regions.items()}
+    assert captured["_feed_region"] > 0 and captured["_expand_fixed"] > 0  # each shape used, once
+    assert all(r.captures <= 5 if name == "_feed_region" else r.captures <= 3 for name, r in regions.items())
+    ref, _ = _run(target, hf_specdec.decoding_method("plain"), bsz, seed=11)
+    out, stats = _run(target, method, bsz, seed=11)
+    assert out == ref and stats["sampling"] == "coupled" and stats["proposed_drafts"] > 0
+
+
+class _ReplayOnTheCpu:
+    """A CUDA graph stood in for on the CPU (:class:`hf_specdec.graphs.Graph`'s interface): a replay runs the captured
+    function again over the graph's own input buffers and writes its outputs into the tensors of the capture, as a
+    replay overwrites a graph's outputs."""
+
+    def __init__(self, run, device):
+        self.run = run
+        for _ in range(2):
+            run()
+        self.out = run()
+
+    def replay(self):
+        fresh = self.run()
+        for old, new in zip(torch.utils._pytree.tree_leaves(self.out), torch.utils._pytree.tree_leaves(fresh)):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+        return self.out
 
 
 def test_sliding_window_masks_and_layerskip_resume(eager_backend):
@@ -160,16 +204,22 @@ def test_bench_method_string_takes_compile():
 
 @pytest.mark.parametrize("name", ["medusa", pytest.param("eagle3_chain", marks=pytest.mark.extended)])
 def test_sampling_with_a_compiled_proposal(name, eager_backend, monkeypatch):
-    """Sampling under compile=True, the proposal (its draws, its coupled noise) inside compiled code: coupled sampling
-    gives the plain method's text for the seed (a padded batch of 3), and rejection sampling draws the target's exact
+    """Sampling under compile=True, the proposal (its draws, its coupled noise) inside compiled code, at fixed shapes
+    (both methods draft so; the coupled call through the graph path, replayed on the CPU): coupled sampling gives the
+    plain method's text for the seed (a padded batch of 3), and rejection sampling draws the target's exact
     distribution (test_sampling's chi-square over 6,000 samples). EAGLE-3's chain with ``pytest --extended``."""
     import test_sampling
     import test_syncs
     from test_coupled import _run
 
+    from hf_specdec.graphs import FixedShapeRegion
+
     model = test_syncs._target()
     ref, _ = _run(model, hf_specdec.decoding_method("plain"), 3, seed=11)
-    out, stats = _run(model, test_syncs.method(name, model), 3, seed=11, compile=True)
+    with monkeypatch.context() as graphed:  # the fixed-shape drafting's graph path, replayed on the CPU
+        graphed.setattr(FixedShapeRegion, "GRAPHED", ("cuda", "cpu"))
+        graphed.setattr(FixedShapeRegion, "GRAPH", _ReplayOnTheCpu)
+        out, stats = _run(model, test_syncs.method(name, model), 3, seed=11, compile=True)
     assert out == ref and stats["sampling"] == "coupled" and stats["proposed_drafts"] > 0
     model, exact = test_sampling._with_exact(test_sampling._target())
     monkeypatch.setattr(test_sampling, "ROWS", 300)  # 20 calls of 300 rows: a smaller batch to compile

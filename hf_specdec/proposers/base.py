@@ -131,6 +131,14 @@ class Proposer:
         none. Default: this proposer when it has :meth:`draft_modules`."""
         return [self] if self.draft_modules() else []
 
+    def draft_at_fixed_shapes(self, runner) -> bool:
+        """Offered by a compiled call (``compile=True``, :mod:`hf_specdec.compiled`) to each of
+        :meth:`network_parts` at its first proposal: draft through the runner's fixed-shape regions
+        (``runner.fixed(fn)``, :mod:`hf_specdec.graphs`: one CUDA graph per shape on a GPU) instead of having
+        :meth:`propose` compiled whole with dynamic shapes. Returns whether this proposer does so for the call; called
+        again with ``runner=None`` when the call ends. Default: it does not."""
+        return False
+
     def prepare(self, model) -> None:
         """Called before the target's prefill: check the proposer fits ``model`` and set ``target_hidden_states``."""
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
+from ..compiled import bucket_size
+from ..coupling import apply_warpers
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3, export_eagle3
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.eagle3 import Eagle3Drafter
@@ -81,6 +84,170 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
         self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`; (k, device, dtype) -> :meth:`_own`
+        self._fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
+
+    # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
+    FEED_BUCKETS_UP_TO = 16  # a context feed of more columns (the prompt, a backlog) runs eagerly at its own width
+
+    def draft_at_fixed_shapes(self, runner) -> bool:
+        """An :class:`Eagle3Drafter` drafts at fixed shapes under ``compile=True``: the drafter's cache a
+        :class:`~hf_specdec.cache.FixedDraftCache` as wide as the target's static cache, plus a scratch column and the
+        tree's (chain's) rows at fixed columns after it; the context fed at bucket sizes (:meth:`_feed_fixed`) and
+        the whole expansion one region per depth limit (:meth:`_expand_fixed`, :meth:`_chain_fixed`). A drafter of
+        another kind (MTP) keeps its dynamic compiled proposal."""
+        ok = runner is not None and isinstance(self.drafter, Eagle3Drafter) and self._additive_masks()
+        self._fixed = runner if ok else None
+        return ok
+
+    def graph_key(self):
+        """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, its
+        drafter and the tree's shape."""
+        return id(self.cache), id(self.drafter), self.top_k, self._tree_base
+
+    def _fixed_cache_for(self, state) -> None:
+        """Draft with the fixed cache of this drafter, batch size and width: the target's static cache columns, a
+        scratch column for padding rows, the tree rows. The runner keeps it for later calls (one per drafter: a call
+        of another shape replaces it), so their regions find their graphs recorded over it."""
+        if isinstance(self.cache, cache_ops.FixedDraftCache):
+            return
+        self._tree_base = state.cache.get_max_length() + 1
+        width = self._tree_base + (self.chain - 1 if self.chain else (self.depth - 1) * self.top_k)
+        key = (state.batch_size, width, self.dtype, str(self.device))
+        kept = self._fixed.draft_buffers.get(self.drafter)
+        if kept is None or kept[0] != key:
+            attn = self.drafter.midlayer.self_attn
+            kept = (key, cache_ops.FixedDraftCache(width).allocate(state.batch_size, attn.num_kv, attn.head_dim, 1,
+                                                                     self.dtype, self.device))
+            self._fixed.draft_buffers[self.drafter] = kept
+        self.cache, self.synced = kept[1], 0
+
+    def _feed_fixed(self, state):
+        """:meth:`_feed_context` at fixed shapes: the new context columns padded to a bucket of rows (the padding rows
+        write into the scratch column, which no row sees), the mask over the cache's whole width. Returns the root
+        rows' ``(logits, hidden)`` and ``seen [B, width]``, which cache columns hold the context."""
+        layout = state.layout
+        n = layout.length - self.synced
+        rows = bucket_size(n) if n <= self.FEED_BUCKETS_UP_TO else n
+        inputs = self._fixed.fused(_fixed_feed_inputs)(
+            self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), self.features,
+            self._on(state.roots()), self.synced, rows, self._tree_base - 1, self.cache.width)
+        if n > self.FEED_BUCKETS_UP_TO:
+            logits, hidden = self._feed_region(*inputs)
+        else:
+            region = self._fixed.fixed(type(self)._feed_region)
+            self._warm_feeds(region, inputs)
+            logits, hidden = region(self, *inputs)
+        self.synced = layout.length
+        return logits, hidden, inputs[4]
+
+    def _warm_feeds(self, region, inputs) -> None:
+        """Compile (on a GPU capture) the feed at every bucket up to :attr:`FEED_BUCKETS_UP_TO` rows the first time
+        this cache feeds one, so that no later step or call compiles during decoding: rows that only write into
+        the scratch column and see nothing else."""
+        if "feeds" in self.cache.warmed:
+            return
+        self.cache.warmed.add("feeds")
+        tokens, features, positions, _, seen, root = inputs
+        scratch = self._tree_base - 1
+        for rows in sorted({bucket_size(n) for n in range(1, self.FEED_BUCKETS_UP_TO + 1)}):
+            region(self, tokens.new_zeros(tokens.shape[0], rows), features.new_zeros(features.shape[0], rows,
+                                                                                      features.shape[2]),
+                   positions.new_zeros(positions.shape[0], rows), root.new_full((rows,), scratch),
+                   torch.zeros_like(seen), torch.zeros_like(root))
+
+    def _feed_region(self, tokens, features, positions, columns, seen, root):
+        """One drafter forward over context rows ``tokens, features, positions [B, n(, F)]`` written at the cache
+        ``columns [n]``, each row seeing the context columns (``seen [B, width]``) up to its own and itself; the
+        logits and hidden state of each batch row's row ``root [B]``."""
+        cols = torch.arange(seen.shape[1], device=seen.device)
+        sees = ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])  # [B, n, width]
+        mask = torch.zeros(sees.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~sees, torch.finfo(self.dtype).min)[:, None]
+        self.cache.at = columns
+        logits, hidden = self.drafter(tokens, features, positions, mask, self.cache, logits_to_keep=root)
+        return logits[:, 0], hidden.gather(1, root[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
+
+    def _tree_fixed(self, state, logits, hidden, seen):
+        """:meth:`_tree` with its expansion as one fixed-shape region per depth limit (:meth:`_expand_fixed`)."""
+        max_depth = self._depth_limit(state, self.depth)
+        if max_depth <= 0:
+            return None
+        depth = self._candidates(max_depth)[0]
+        own = self._own(self.top_k)
+        region = self._fixed.fixed(type(self)._expand_fixed)
+        processors = state.processors if state.coupling is not None else None
+        root_positions = self._on(state.root_positions)
+
+        def expand(d):
+            _, digits_d, keyed_d = self._candidates(d)
+            noise = self._drafting_noise(state, logits.shape[-1], d)
+            return region(self, logits, hidden, root_positions, seen, own, noise, processors,
+                          tuple(digits_d) if keyed_d else None, d)
+
+        key = ("trees", processors is None)
+        if key not in self.cache.warmed:  # every depth limit at once (as _warm_feeds): no compilation mid-decoding
+            self.cache.warmed.add(key)
+            for d in range(1, self.depth + 1):
+                if d != max_depth:
+                    expand(d)
+        out = expand(max_depth)
+        return self._fixed.fused(type(self)._select)(self, state, *out[:3], depth, *out[3:])
+
+    def _expand_fixed(self, logits, hidden, root_positions, seen, own, noise, processors, digits, max_depth):
+        """The tree's expansion (:meth:`_expand`) over the fixed cache (:meth:`_fixed_parts`)."""
+        visible, perturb, step = self._fixed_parts(seen, own, noise, processors)
+        return self._expand(logits, hidden, root_positions, visible, perturb, step, max_depth, digits)
+
+    def _fixed_parts(self, seen, own, noise, processors):
+        """``(visible, perturb, step)`` for :meth:`_expand` / :meth:`_draft_chain` over the fixed cache: what the
+        first rows see (``seen [B, width]``, the context columns, as a mask over the whole width), coupled sampling's
+        ``noise [B, D, Vd]`` added after the call's warpers (``None``: as drafted), and the feed of depth ``d``'s
+        ``k`` rows (``own [k, k]``) at the cache columns ``tree base + (d - 1) * k ..``."""
+        bsz, k = seen.shape[0], own.shape[-1]
+        visible = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~seen, torch.finfo(self.dtype).min)[:, None, :].expand(-1, k, -1)
+
+        def perturb(scores, d):
+            if noise is None:
+                return scores
+            g = noise[:, d] if scores.dim() == 2 else noise[:, d, None]
+            return apply_warpers(processors, scores.float()) + g
+
+        def step(tokens, rows_hidden, positions, visible, d):
+            at = self._tree_base + (d - 1) * k
+            seen = torch.cat([visible[..., :at], own.expand(bsz, -1, -1), visible[..., at + k:]], dim=-1)
+            self.cache.at = slice(at, at + k)
+            step_logits, step_hidden = self._draft_forward(tokens, rows_hidden, positions, seen[:, None], d)
+            return step_logits, step_hidden, seen
+
+        return visible, perturb, step
+
+    def _chain_fixed(self, state, logits, hidden, seen):
+        """:meth:`_chain` with the drafting as one fixed-shape region per length (:meth:`_draft_chain_fixed`); the
+        first time for this cache every length (as :meth:`_tree_fixed`)."""
+        k = self._depth_limit(state, self.chain)
+        if k <= 0:
+            return None
+        region = self._fixed.fixed(type(self)._draft_chain_fixed)
+        processors = state.processors if state.coupling is not None else None
+        root_positions, own, vocab = self._on(state.root_positions), self._own(1), self._target_vocab(state)
+
+        def draft(n):
+            return region(self, logits, hidden, root_positions, seen, own, self._drafting_noise(
+                state, logits.shape[-1], n), processors, state.do_sample, vocab, n)
+
+        key = ("chains", processors is None, state.do_sample)
+        if key not in self.cache.warmed:
+            self.cache.warmed.add(key)
+            for n in range(1, self.chain + 1):
+                if n != k:
+                    draft(n)
+        return self._fixed.fused(type(self)._chain_tree)(self, state, *draft(k))
+
+    def _draft_chain_fixed(self, logits, hidden, root_positions, seen, own, noise, processors, sample, vocab, k):
+        """The chain's drafting (:meth:`_draft_chain`) over the fixed cache (:meth:`_fixed_parts`)."""
+        visible, perturb, step = self._fixed_parts(seen, own, noise, processors)
+        return self._draft_chain(logits, hidden, root_positions, visible, perturb, step, k, sample, vocab)
 
     def begin(self, state) -> None:
         super().begin(state)
@@ -101,17 +268,12 @@ class Eagle3Proposer(FeatureDrafterProposer):
         """Feed the drafter rows of the target columns it has not seen; return the root rows' outputs."""
         layout = state.layout
         start, end = self.synced, layout.length
-        n = end - start
         roots = state.roots()[:, None]
         tokens = layout.tokens[:, start:end]  # [B, n]
         # the token after each column: the row's next real column's, or the root after its last one
         holes = layout.counts is None or any(c != end for c in layout.counts)  # host data: no hole in any row
         if holes:
-            valid = layout.valid[:, start:end]
-            real = torch.where(valid, torch.arange(n, device=valid.device), n)  # [B, n] the column if real, else n
-            after = torch.cat([real, real.new_full((real.shape[0], 1), n)], dim=1)[:, 1:]  # the next column's entry
-            following = after.flip(1).cummin(1).values.flip(1)  # [B, n] the next real column (n: the root)
-            next_tok = torch.cat([tokens, roots], dim=1).gather(1, following)
+            next_tok = _next_tokens(layout.valid[:, start:end], tokens, roots)
         else:
             next_tok = torch.cat([tokens[:, 1:], roots], dim=1)
         if not holes and start == 0 and isinstance(self.drafter, Eagle3Drafter):
@@ -135,20 +297,29 @@ class Eagle3Proposer(FeatureDrafterProposer):
         if backs_off and self.backoff.skipping():
             return None
         start = time.perf_counter()
+        fixed = self._fixed is not None
+        if fixed:
+            self._fixed_cache_for(state)
         if self.synced > state.layout.length:  # cannot happen unless the layout was rebuilt
-            self.cache, self.synced = DynamicCache(), 0
+            self.cache, self.synced = (self.cache if fixed else DynamicCache()), 0
         fed = state.layout.length - self.synced
-        root_logits, root_hidden = self._feed_context(state)
+        if fixed:
+            root_logits, root_hidden, seen = self._feed_fixed(state)
+        else:
+            root_logits, root_hidden = self._feed_context(state)
         context = self.synced
         if fed > self.BACKLOG:  # the prompt, or a backlog after skipped steps: time the tree alone
             start = time.perf_counter()
         self._worth = None
         try:
+            if fixed:
+                return (self._chain_fixed if self.chain else self._tree_fixed)(state, root_logits, root_hidden, seen)
             if self.chain:
                 return self._chain(state, root_logits, root_hidden)
             return self._tree(state, root_logits, root_hidden)
         finally:
-            cache_ops.crop(self.cache, context)  # tree rows are drafter guesses: never kept
+            if not fixed:
+                cache_ops.crop(self.cache, context)  # tree rows are drafter guesses: never kept
             self._rotary = None
             if backs_off:
                 self._schedule(state, time.perf_counter() - start)
@@ -231,42 +402,61 @@ class Eagle3Proposer(FeatureDrafterProposer):
             self._confident = d + 1
 
     def _chain(self, state, logits, hidden):
-        bsz = state.batch_size
         k = self._depth_limit(state, self.chain)
         if k <= 0:
             return None
-        drafts, probs, reaches = [], [], []
-        reach = torch.ones(bsz, device=self.device)  # drafter probability that every draft so far is accepted
         visible = self._visible(state.layout.valid)[:, None, :]  # [B, 1, T + i]: the context and the drafts so far
-        own = self._own(1).expand(bsz, 1, 1)
-        self._rotary = self._rotary_table(state.root_positions[:, None] + torch.arange(k - 1, device=state.device))
+        own = self._own(1).expand(state.batch_size, 1, 1)
+        vocab_ids = draft_vocab_ids(state, self.drafter, logits.shape[-1])
+
+        def step(tokens, rows_hidden, positions, visible, d):
+            return self._step(state, tokens, rows_hidden, positions, visible, own, step=d)
+
+        return self._chain_tree(state, *self._draft_chain(
+            logits, hidden, state.root_positions, visible, lambda scores, i: state.perturb(scores, i, vocab_ids),
+            step, k, state.do_sample, self._target_vocab(state)))
+
+    def _draft_chain(self, logits, hidden, root_positions, visible, perturb, step, k: int, sample: bool, vocab: int):
+        """Draft a chain of ``k`` from the root rows' ``logits [B, Vd]`` and ``hidden [B, H]`` (``perturb`` and
+        ``step`` as :meth:`_expand` takes them); sampled when ``sample``, else the argmax. Returns ``(drafts [B, k]
+        target ids, reach [B, k] or None, probs [B, k, vocab] or None)``: the probability that every draft up to
+        each is accepted (adaptive), and the target-vocabulary distributions the drafts were sampled from."""
+        drafts, probs, reaches = [], [], []
+        reach = torch.ones(logits.shape[0], device=self.device)  # drafter probability that every draft so far is kept
+        self._rotary = self._rotary_table(root_positions[:, None] + torch.arange(k - 1, device=root_positions.device))
         for i in range(k):
-            scores = state.perturb(logits, i, draft_vocab_ids(state, self.drafter, logits.shape[-1])).float()
-            p = torch.softmax(scores, dim=-1) if state.do_sample or self.adaptive else None
-            if state.do_sample:
+            scores = perturb(logits, i).float()
+            p = torch.softmax(scores, dim=-1) if sample or self.adaptive else None
+            if sample:
                 pick = torch.multinomial(p, 1)[:, 0]
-                probs.append(self._target_probs(state, p))
+                probs.append(self._in_target_vocab(p, vocab))
             else:
                 pick = scores.argmax(-1)
             token = self.drafter.draft_to_target(pick)
-            drafts.append(token.to(state.device))
+            drafts.append(token)
             if self.adaptive:
                 reach = reach * p.gather(1, pick[:, None])[:, 0]
                 reaches.append(reach)
             if i == k - 1:
                 break
-            pos = (state.root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
-            logits, hidden, visible = self._step(state, token[:, None], hidden[:, None], pos, visible, own, step=i + 1)
+            pos = (root_positions + i)[:, None]  # row (g, d_{i+1}) sits at the position of d_i's parent
+            logits, hidden, visible = step(token[:, None], hidden[:, None], pos, visible, i + 1)
             logits, hidden = logits[:, 0], hidden[:, 0]
-        counts = state.budgets(len(drafts))
-        if self.adaptive:  # verify only the drafts that pay for their verification (the measured costs)
-            reach_rows = torch.stack(reaches, dim=1).tolist()  # [B][k]: the proposal's one host read
+        return (torch.stack(drafts, dim=1), torch.stack(reaches, dim=1) if reaches else None,
+                torch.stack(probs, dim=1) if probs else None)
+
+    def _chain_tree(self, state, drafts, reach, probs):
+        """The chain's draft tree: each row's drafts cut to its budget, and (adaptive) to those that pay for their
+        verification (``reach``: the proposal's one host read)."""
+        counts = state.budgets(drafts.shape[1])
+        if reach is not None:  # verify only the drafts that pay for their verification (the measured costs)
+            reach_rows = reach.tolist()  # [B][k]: the proposal's one host read
             self._judge_depths(state, reach_rows)
             counts = self._cut_chains(state, reach_rows, counts)
             if not any(counts):
                 return None
-        draft_probs = torch.stack(probs, dim=1) if probs else None
-        return DraftTree.chain(state.roots(), torch.stack(drafts, dim=1), counts, draft_probs)
+        return DraftTree.chain(state.roots(), drafts.to(state.device), counts,
+                               probs.to(state.device) if probs is not None else None)
 
     def _tree(self, state, logits, hidden):
         """EAGLE-2 dynamic tree, expanded for every row of the batch at once, with tensor operations only.
@@ -277,32 +467,48 @@ class Eagle3Proposer(FeatureDrafterProposer):
         depth-first key: its path of sibling ranks from the root, one base-``top_k + 1`` digit per depth (``rank +
         1``, 0 past its depth), so that sorting by key lists parents before children and each node's better children
         first."""
-        bsz, dev = state.batch_size, self.device
-        top_k = self.top_k
         max_depth = self._depth_limit(state, self.depth)
         if max_depth <= 0:
             return None
         depth, digits, keyed = self._candidates(max_depth)
         vocab_ids = draft_vocab_ids(state, self.drafter, logits.shape[-1])
-        logits = state.perturb(logits, 0, vocab_ids)  # coupled sampling: candidates under the positions' noise
+        own = self._own(self.top_k).expand(state.batch_size, -1, -1)
+        # [B, k, T + R] what each frontier row sees: the context, then its ancestors among the R tree rows fed
+        visible = self._visible(state.layout.valid)[:, None, :].expand(-1, self.top_k, -1)
+
+        def step(tokens, rows_hidden, positions, visible, d):
+            return self._step(state, tokens, rows_hidden, positions, visible, own, step=d)
+
+        out = self._expand(logits, hidden, state.root_positions, visible,
+                           lambda scores, d: state.perturb(scores, d, vocab_ids), step, max_depth,
+                           digits if keyed else None)
+        return self._select(state, *out[:3], depth, *out[3:])
+
+    def _expand(self, logits, hidden, root_positions, visible, perturb, step, max_depth: int, digits):
+        """Expand every row's tree to ``max_depth`` from the root rows' ``logits [B, Vd]`` and ``hidden [B, H]``;
+        ``visible [B, k, K]``: what the first frontier's rows see (mask representation); ``perturb(scores, d)``:
+        the scores depth ``d + 1`` is drafted from (coupled sampling's noise); ``step(tokens, hidden, positions,
+        visible, d)``: feed a frontier (:meth:`_step`); ``digits``: the keys' digits (:meth:`_candidates`, ``None``
+        when unkeyed). Returns ``(score, tok, parent [B, C], key [B, C] or None, best [B, D] or None)`` as
+        :meth:`_select` takes them."""
+        bsz, dev, top_k = logits.shape[0], self.device, self.top_k
+        keyed = digits is not None
+        logits = perturb(logits, 0)  # coupled sampling: candidates under the positions' noise
         score, tok = torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)  # [B, k] depth 1: the frontier
         scores, toks, frontier_idx, best = [score], [tok], [], [score[:, :1]]
         key = digits[0].expand(bsz, -1) if keyed else None  # the frontier's keys
         keys = [key]
-        own = self._own(top_k).expand(bsz, -1, -1)
-        # [B, k, T + R] what each frontier row sees: the context, then its ancestors among the R tree rows fed
-        visible = self._visible(state.layout.valid)[:, None, :].expand(-1, top_k, -1)
-        positions = state.root_positions[:, None] + torch.arange(max_depth - 1, device=state.device)  # [B, D-1]
+        positions = root_positions[:, None] + torch.arange(max_depth - 1, device=root_positions.device)  # [B, D-1]
         self._rotary = self._rotary_table(positions)
         row_positions = positions[:, :, None].expand(-1, -1, top_k).unbind(1)  # per depth [B, k]
         rows = torch.arange(bsz, device=dev)[:, None]
         frontier_hidden = hidden[:, None].expand(-1, top_k, -1)
         for d in range(1, max_depth):
             # feed the frontier: row (parent output, node token) at the position of the node's parent
-            step_logits, step_hidden, seen = self._step(state, self.drafter.draft_to_target(tok), frontier_hidden,
-                                                        row_positions[d - 1], visible, own, step=d)
+            step_logits, step_hidden, seen = step(self.drafter.draft_to_target(tok), frontier_hidden,
+                                                  row_positions[d - 1], visible, d)
             # children of every frontier node
-            step_logits = state.perturb(step_logits, d, vocab_ids)
+            step_logits = perturb(step_logits, d)
             if step_logits.dtype != torch.float32:
                 step_logits = step_logits.float()
             child_score, child_tok = torch.log_softmax(step_logits, -1).topk(top_k, dim=-1)  # [B, k, k]
@@ -334,8 +540,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
                 offsets = 1 + top_k + top_k * top_k * torch.arange(max_depth - 2, device=dev)[None, :, None]
                 frontier = torch.cat([frontier, torch.stack(frontier_idx, 1) + offsets], dim=1)  # [B, D-1, k]
             parents.append(frontier.repeat_interleave(top_k, dim=2).flatten(1))
-        return self._select(state, torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1), depth,
-                            torch.cat(keys, 1) if keyed else None, torch.cat(best, 1) if self.adaptive else None)
+        return (torch.cat(scores, 1), torch.cat(toks, 1), torch.cat(parents, 1), torch.cat(keys, 1) if keyed else None,
+                torch.cat(best, 1) if self.adaptive else None)
 
     @host_side
     def _candidates(self, max_depth: int):
@@ -374,13 +580,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
             score = score.masked_fill(depth > budgets[:, None], float("-inf"))
         ranked_score, ranked = score.sort(dim=1, descending=True, stable=True)
         if self.adaptive:
-            host = torch.cat([ranked_score[:, :keep_n].exp().flatten(), best.exp().flatten()]).tolist()  # one read
-            reach = [host[b * keep_n:b * keep_n + counts[b]] for b in range(bsz)]
-            self._judge_depths(state, [host[bsz * keep_n + b * depths:bsz * keep_n + (b + 1) * depths]
-                                       for b in range(bsz)])
-            counts = [min(c, self._pays(state, r)) for c, r in zip(counts, reach)]
-            for r, c in zip(reach, counts):
-                self._note_worth(state, sum(r[:c]), c)
+            counts = self._paying_counts(state, torch.cat([ranked_score[:, :keep_n].exp().flatten(),
+                                                           best.exp().flatten()]), keep_n, depths, counts)
         width = max(counts)
         if width == 0:
             return None
@@ -396,9 +597,10 @@ class Eagle3Proposer(FeatureDrafterProposer):
             keep = keep.gather(1, order) if keep is not None else None
             # node j is node i or an ancestor of i when i's key starts with j's digits: key_j <= key_i < key_j + span_j
             # (span: the key range of a subtree, (top_k + 1) ** (depth - depth_j)); the root (key 0) spans all
-            full = (top_k + 1) ** self._depth_of(score.shape[1])
+            spans = self._spans(score.shape[1], dev)  # the root's: a depth-1 candidate's times top_k + 1 (a tensor
+            # product: a power of a size traced with dynamic shapes is more than inductor's code generation takes)
             node_key = torch.cat([node_key.new_zeros(bsz, 1), node_key], 1)  # [B, W + 1] with the root
-            span = torch.cat([node_key.new_full((bsz, 1), full), self._spans(score.shape[1], dev)[nodes]], 1)
+            span = torch.cat([(spans[:1] * (top_k + 1)).expand(bsz, 1), spans[nodes]], 1)
             ancestors = (node_key[:, :, None] >= node_key[:, None, :]) & \
                 (node_key[:, :, None] < (node_key + span)[:, None, :])
         slot = torch.zeros(bsz, score.shape[1] + 1, dtype=torch.long, device=dev)  # tree slot of 1 + each candidate
@@ -422,6 +624,21 @@ class Eagle3Proposer(FeatureDrafterProposer):
                          parents=torch.cat([root.new_full((bsz, 1), -1), parents.to(out)], 1), valid=valid,
                          host_depth=self._depth_of(score.shape[1]),
                          _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
+
+    @host_side
+    def _paying_counts(self, state, probs: torch.Tensor, keep_n: int, depths: int, counts: list[int]) -> list[int]:
+        """How many of its best candidates each row verifies: the proposal's one host read (``probs``: each row's
+        best ``keep_n`` candidates' probabilities, then each row's best node per depth), the decisions made on the
+        host (never traced: a compiled proposal would guard on the floats)."""
+        bsz = len(counts)
+        host = probs.tolist()  # the proposal's one read
+        reach = [host[b * keep_n:b * keep_n + counts[b]] for b in range(bsz)]
+        self._judge_depths(state, [host[bsz * keep_n + b * depths:bsz * keep_n + (b + 1) * depths]
+                                   for b in range(bsz)])
+        counts = [min(c, self._pays(state, r)) for c, r in zip(counts, reach)]
+        for r, c in zip(reach, counts):
+            self._note_worth(state, sum(r[:c]), c)
+        return counts
 
     @host_side
     def _budgets(self, state, depths: int, keep_n: int):
@@ -449,6 +666,32 @@ class Eagle3Proposer(FeatureDrafterProposer):
     def _depth_of(self, candidates: int) -> int:
         """The depth of a tree of ``candidates`` candidates (host arithmetic)."""
         return 1 + (candidates - self.top_k) // (self.top_k * self.top_k)
+
+
+def _fixed_feed_inputs(valid, tokens, positions, features, roots, start: int, rows: int, scratch: int, width: int):
+    """The drafter rows of the layout's columns ``start..`` (``valid, tokens, positions [B, T]``, ``features [B, T,
+    F]``, ``roots [B]``) as :meth:`Eagle3Proposer._feed_region` takes them, padded to ``rows`` rows (padding rows
+    write into the cache's ``scratch`` column): ``(tokens, features, positions, columns, seen, root)``, ``seen [B,
+    width]`` the columns holding context, ``root [B]`` each batch row's root row (its last real column's)."""
+    n = valid.shape[1] - start
+    fed = valid[:, start:]
+    index = torch.arange(n, device=valid.device)
+    root = torch.where(fed, index, -1).max(1).values.clamp(min=0)
+    pad = rows - n
+    columns = torch.cat([index + start, index.new_full((pad,), scratch)])
+    return (F.pad(_next_tokens(fed, tokens[:, start:], roots[:, None]), (0, pad)),
+            F.pad(features[:, start:], (0, 0, 0, pad)), F.pad(positions[:, start:], (0, pad)), columns,
+            F.pad(valid, (0, width - valid.shape[1])), root)
+
+
+def _next_tokens(valid, tokens, roots):
+    """``[B, n]`` the token after each of ``n`` columns (``valid, tokens [B, n]``; ``roots [B, 1]``): the row's next
+    real column's, or the root after its last one."""
+    n = valid.shape[1]
+    real = torch.where(valid, torch.arange(n, device=valid.device), n)  # [B, n] the column if real, else n
+    after = torch.cat([real[:, 1:], real.new_full((real.shape[0], 1), n)], dim=1)  # the next column's entry
+    following = after.flip(1).cummin(1).values.flip(1)  # [B, n] the next real column (n: the root)
+    return torch.cat([tokens, roots], dim=1).gather(1, following)
 
 
 def _build(target, opts) -> Eagle3Proposer:

@@ -24,7 +24,7 @@ from .. import cache as cache_ops
 from ..costs import best_count
 from ..syncs import to_device
 from ..tree import additive_mask, build_attention_mask
-from .base import BackOff, Carried, Proposer, rules_of
+from .base import BackOff, Carried, Proposer, draft_vocab_ids, rules_of
 
 
 class FeatureDrafterProposer(Proposer):
@@ -77,6 +77,8 @@ class FeatureDrafterProposer(Proposer):
         """The features of the cache's columns, and the drafter cache over those it holds (its row of the last column
         is left out: its next token is the next call's)."""
         features = self.features.gather(1, index.to(self.device)[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        if isinstance(self.cache, cache_ops.FixedDraftCache):  # kept by the proposer for its later calls
+            return Carried.of(self.drafter, None, 0, features=features, key=self._feature_key())
         synced = cache_ops.kept_mirror(self.cache, self.synced, index.to(self.device)[:, :-1])
         return Carried.of(self.drafter, self.cache, synced, features=features, key=self._feature_key())
 
@@ -175,14 +177,34 @@ class FeatureDrafterProposer(Proposer):
                 self._note_worth(state, sum(reach[b][:c]), c)
         return counts
 
+    def _drafting_noise(self, state, vocab: int, depths: int):
+        """Coupled sampling's noise of the next ``depths`` positions in the drafter's vocabulary of ``vocab`` tokens:
+        ``[B, depths, vocab]`` on the drafter's device, ``None`` when the call is not coupled. What
+        :meth:`DecodingState.perturb` adds, taken before a fixed-shape region (:mod:`hf_specdec.graphs`) that adds
+        it after the call's warpers."""
+        if state.coupling is None:
+            return None
+        noise = state.noise(depths)
+        vocab_ids = draft_vocab_ids(state, self.drafter, vocab)
+        if vocab_ids is not None:
+            noise = noise.index_select(-1, vocab_ids.to(noise.device))
+        return noise.to(self.device)
+
     def _target_probs(self, state, probs: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary distributions ``[..., Vd]`` as target-vocabulary ones ``[..., V]`` on the loop's device
         (what the exact sampling rule reads)."""
-        full = torch.zeros(*probs.shape[:-1], state.model.config.get_text_config().vocab_size, device=probs.device,
-                           dtype=probs.dtype)
+        return self._in_target_vocab(probs, self._target_vocab(state)).to(state.device)
+
+    @staticmethod
+    def _target_vocab(state) -> int:
+        return state.model.config.get_text_config().vocab_size
+
+    def _in_target_vocab(self, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Draft-vocabulary distributions ``[..., Vd]`` as distributions over the target's ``vocab`` tokens."""
+        full = torch.zeros(*probs.shape[:-1], vocab, device=probs.device, dtype=probs.dtype)
         full.index_add_(probs.dim() - 1, self.drafter.draft_to_target(torch.arange(probs.shape[-1],
                                                                                    device=probs.device)), probs)
-        return full.to(state.device)
+        return full
 
     def _note_worth(self, state, reach: float, n: int) -> None:
         """Add one row's drafts to ``_worth``, the proposal's ``(expected tokens, verification cost)`` for

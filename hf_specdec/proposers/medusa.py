@@ -28,6 +28,7 @@ import time
 import torch
 
 from ..conversions.medusa import LAYOUTS, convert_medusa, export_medusa
+from ..coupling import apply_warpers
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.medusa import MedusaHeads
 from ..placement import drafter_device
@@ -118,6 +119,7 @@ class MedusaProposer(FeatureDrafterProposer):
         self._indices: dict = {}  # (device, depth, k) -> the pool's index tensors (:meth:`_index`)
         self._allowed_nodes: dict = {}  # (depth, k, budget) -> the pool nodes a row may draft (:meth:`_allowed`)
         self._slots: dict = {}  # a row's pool nodes -> their parents' tree slots (:meth:`_tree`)
+        self._fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
         self.typical_acceptance = (float(posterior_threshold), float(posterior_alpha)) if acceptance == "typical" \
             else None
 
@@ -157,23 +159,72 @@ class MedusaProposer(FeatureDrafterProposer):
         depth = state.deepest(self.depth)
         if depth <= 0:
             return None
-        logits = self.drafter(self.last, heads=depth).float()  # [B, D, Vd]
-        logits = state.perturb(logits, range(depth), draft_vocab_ids(state, self.drafter, logits.shape[-1]))
-        k = min(self.top_k, logits.shape[-1])
-        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [B, D, k]
+        k = min(self.top_k, self.drafter.config.draft_vocab_size)
         head, rank, ancestors = self._index(depth, k)
-        node_tokens = self.drafter.draft_to_target(top_ids[:, head, rank]).to(state.device)  # [B, P] every pool node
+        if self._fixed is not None:  # one fixed-shape region (a CUDA graph on a GPU)
+            node_tokens, reach = self._heads_fixed(state, depth, k)
+        else:
+            logits = self.drafter(self.last, heads=depth).float()  # [B, D, Vd]
+            logits = state.perturb(logits, range(depth), draft_vocab_ids(state, self.drafter, logits.shape[-1]))
+            node_tokens, reach = self._pool(logits, head, rank, ancestors, k)
+        node_tokens = node_tokens.to(state.device)
         self._worth = None
         rows = self._allowed(state, depth, k)
         if self.adaptive:
-            node_logp = top_logp[:, head, rank]  # [B, P]
-            # a node's path probability: the product of its own and its ancestors' (a zero column pads the paths)
-            reach = torch.cat([node_logp, node_logp.new_zeros(node_logp.shape[0], 1)], 1)[:, ancestors].sum(-1).exp()
             rows = self._adapt(state, reach.tolist(), rows)  # the proposal's one host read
         tree = self._tree(state, node_tokens, rows)
         if self.adaptive:
             self.backoff.judge(state, time.perf_counter() - start, *(self._worth or (None, None)))
         return tree
+
+    def _pool(self, logits, head, rank, ancestors, k: int):
+        """``(tokens, reach)``, each ``[B, P]``: every pool node's draft (target ids) and path probability (the
+        product of its own and its ancestors' probabilities), from the heads' scores ``logits [B, D, Vd]``."""
+        top_logp, top_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [B, D, k]
+        node_logp = top_logp[:, head, rank]  # [B, P]
+        # a zero column pads the paths
+        reach = torch.cat([node_logp, node_logp.new_zeros(node_logp.shape[0], 1)], 1)[:, ancestors].sum(-1).exp()
+        return self.drafter.draft_to_target(top_ids[:, head, rank]), reach
+
+    def _heads(self, last, noise, processors, head, rank, ancestors, depth: int, k: int):
+        """:meth:`_pool` of the first ``depth`` heads over the rows' last hidden states ``last [B, H]`` as one
+        fixed-shape region (:mod:`hf_specdec.graphs`); ``noise [B, D, Vd]``: coupled sampling's, added after the
+        call's warpers ``processors`` (``None``: not coupled)."""
+        logits = self.drafter(last, heads=depth).float()
+        if noise is not None:
+            logits = apply_warpers(processors, logits) + noise
+        return self._pool(logits, head, rank, ancestors, k)
+
+    # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
+    def draft_at_fixed_shapes(self, runner) -> bool:
+        """The heads draft at fixed shapes under ``compile=True`` (:meth:`_heads`: one region, a CUDA graph per depth
+        on a GPU); they keep no cache."""
+        self._fixed = runner
+        return runner is not None
+
+    def graph_key(self):
+        """What a CUDA graph of :meth:`_heads` is recorded over (:mod:`hf_specdec.graphs`): the heads."""
+        return id(self.drafter)
+
+    def _heads_fixed(self, state, depth: int, k: int):
+        """:meth:`_heads` through the runner's fixed-shape region; the first time for this batch size, every depth
+        (as a budget near a call's end may ask for fewer heads): no compilation mid-decoding, none on later calls."""
+        region = self._fixed.fixed(type(self)._heads)
+        vocab = self.drafter.config.draft_vocab_size
+        processors = state.processors if state.coupling is not None else None
+
+        def run(d):
+            return region(self, self.last, self._drafting_noise(state, vocab, d), processors, *self._index(d, k), d,
+                          k)
+
+        warmed = self._fixed.draft_buffers.setdefault(self.drafter, set())
+        key = (state.batch_size, k, processors is None)
+        if key not in warmed:
+            warmed.add(key)
+            for d in range(1, self.depth + 1):
+                if d != depth:
+                    run(d)
+        return run(depth)
 
     @host_side
     def _index(self, depth: int, k: int):
