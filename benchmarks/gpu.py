@@ -45,8 +45,9 @@ calls after an untimed warm-up; medians; ``tok/s`` counts every row's tokens):
 
 * ``ms/step``: wall time of the call less its first target forward (the prefill), per step (target forwards after
   the first); ``tau``: tokens committed per step.
-* ``target ms/step`` and ``draft ms/step`` (the target's is ``–`` under ``compile=True``: a compiled forward passes
-  no module hook, so its time stays in ``host ms/step``, and ``ideal`` / ``efficiency`` are ``–`` too): time inside the target's and the drafter's forwards (hooks on the
+* ``target ms/step`` and ``draft ms/step`` (both ``–`` under ``compile=True``: a compiled forward, a drafter's
+  inside a compiled region or CUDA graph, passes no module hook, so their time stays in ``host ms/step``, and
+  ``ideal`` / ``efficiency`` are ``–`` too): time inside the target's and the drafter's forwards (hooks on the
   modules; on CUDA, events recorded around each forward and read after the call, so the span a forward occupies on
   the device timeline, no synchronisation added; on the CPU, ``perf_counter``).
 * ``host ms/step`` = ``ms/step - target ms/step - draft ms/step - replay ms/step``: the part of a step outside every
@@ -56,7 +57,7 @@ calls after an untimed warm-up; medians; ``tok/s`` counts every row's tokens):
 * ``syncs/step``: host reads of tensor values (:class:`hf_specdec.syncs.SyncCounter`) over the steps, in one extra,
   untimed call (counting intercepts every torch call); on CUDA the same call also counts the synchronisations the
   CUDA runtime reports (``torch.cuda.set_sync_debug_mode("warn")``): ``cuda syncs/step``.
-* ``launches/step``: the kernels the host starts per step (:class:`hf_specdec.launches.LaunchCounter`, in the same
+* ``launches/step``: the kernels the host starts per step (:class:`hf_specdec.launches.LaunchCounter`, in another
   untimed call: each operation that does work outside a compiled region one, each compiled region, a graph replay on
   a GPU, one; the stock rows have no step ranges, so theirs is the whole call over its forwards, prefill included).
 * ``warm-up s``: the untimed first call of the row (where ``compile=true`` and ``stock_compiled`` compile and capture).
@@ -362,16 +363,18 @@ class Runner:
         return record
 
     def count_syncs(self, name: str, tau: int) -> dict:
-        """Host reads per call (SyncCounter), on CUDA the synchronisations the runtime reports, and in the same call
+        """Host reads per call (SyncCounter), on CUDA the synchronisations the runtime reports, and in another call
         the kernels the host starts per step (LaunchCounter; stock rows have no step ranges: their whole call over
-        their forwards, the prefill's included)."""
+        their forwards, the prefill's included). Apart: dynamo traces SyncCounter's function mode, which would split
+        and recompile the compiled regions of a compile=True row."""
         from hf_specdec.launches import LaunchCounter
         from hf_specdec.syncs import SyncCounter
 
         counter = SyncCounter()
         cuda_syncs = [] if self.device.type == "cuda" and self.args.cuda_sync_debug else None
+        record = self.run(name, tau, counter, cuda_syncs)
         with LaunchCounter() as launches:
-            record = self.run(name, tau, counter, cuda_syncs)
+            self.run(name, tau)
         steps = _steps(record)
         return {"syncs": counter.count, "steps": steps, "syncs_per_step": counter.count / steps,
                 "syncs_by_name": dict(counter.by_name.most_common()),
@@ -423,6 +426,8 @@ def summarize(name: str, tau: int, records: list[dict], prompt_len: int) -> dict
     row["verify_size"] = statistics.mean(row["verify_sizes"]) if row["verify_sizes"] else None
     if _hooks_missed(records[0]):  # the target's time is inside the host column: unknown apart
         row["target_ms_per_step"] = None
+    if name.endswith("+compile"):  # the drafters' forwards run inside compiled regions (CUDA graphs): no hook either
+        row["draft_ms_per_step"] = None
     stats = records[0]["stats"]
     if stats:
         row["accepted_drafts"], row["proposed_drafts"] = stats["accepted_drafts"], stats["proposed_drafts"]

@@ -55,10 +55,14 @@ class ForwardProbe:
         return self._seconds
 
     def _end(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # traced into compiled code (see _pre)
+            return
         hidden = args[0] if args else kwargs.get("hidden_states")
         self.ends.append(int(hidden.shape[1]) if hidden is not None else 0)
 
     def _pre(self, module, args, kwargs):
+        if torch.compiler.is_compiling():  # a forward inside compiled code (compile=True's fixed-shape drafting,
+            return  # a CUDA graph on a GPU): no hook runs at a replay, and a clock there would break the graph
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds", kwargs.get("hidden_states"))
@@ -70,6 +74,8 @@ class ForwardProbe:
             self._t0 = time.perf_counter()
 
     def _post(self, module, args, output):
+        if torch.compiler.is_compiling():  # as in _pre
+            return
         if self.cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()

@@ -652,9 +652,11 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return budgets, [min(keep_n, top_k + top_k * top_k * (min(m, depths) - 1)) if m else 0
                          for m in state.max_drafts]
 
+    @host_side
     def _spans(self, candidates: int, device) -> torch.Tensor:
         """``[C]`` the key range of each candidate's subtree, ``(top_k + 1) ** (depth of the tree - its depth)``
-        (cached with :meth:`_candidates`)."""
+        (cached with :meth:`_candidates`; host-side: traced, a ``top_k`` that dynamo made a symbol after calls with
+        other trees was a power inductor cannot generate code for)."""
         max_depth = self._depth_of(candidates)
         depth = self._candidates(max_depth)[0]
         cache = self._candidate_facts
