@@ -61,7 +61,6 @@ class FixedDraftCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.at = None
-        self.warmed: set = set()  # what its owner has compiled (captured) over it at every size
 
     def allocate(self, batch_size: int, heads: int, head_dim: int, layers: int, dtype, device) -> "FixedDraftCache":
         """Zeroed buffers for ``layers`` layers (before any forward: never inside a compiled region)."""

@@ -253,8 +253,7 @@ class CompiledRunner(TargetRunner):
         self.cache_length = self.MIN_CACHE
         self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
         self.compiled_fns: dict = {}  # a function of the step (or a proposer's propose) -> its compiled self
-        # drafter -> what a proposer drafting at fixed shapes keeps for later calls (EAGLE-3: its FixedDraftCache,
-        # whose CUDA graphs later calls replay; Medusa: the sizes compiled)
+        # drafter -> (shape, the FixedDraftCache EAGLE-3 drafts over), kept for later calls, which replay its graphs
         self.draft_buffers = weakref.WeakKeyDictionary()
 
     def fused(self, fn):

@@ -18,9 +18,9 @@ shape is fixed by a few host integers (the batch size, a bucket, the tree's dept
 The function must be idempotent in what it writes outside its outputs: a region that writes into persistent buffers
 (a static drafter cache) writes the same values for the same inputs, so that its warm-up runs change nothing. Those
 buffers are reached through the first argument (the owner, e.g. the proposer), never copied: their addresses are
-baked into the graph, and the key holds the owner's ``graph_key()`` (its buffers' and modules' identity, not the
-owner's own: a later call's new proposer over the same buffers replays the same graphs), so new buffers are a new
-graph. ``compiles`` counts the graphs compiled, ``captures`` the CUDA graphs recorded, ``calls`` the calls (tests
+baked into the graph, and the key holds the owner's ``graph_key()`` (its buffers and modules themselves, not the
+owner: a later call's new proposer over the same buffers replays the same graphs), so new buffers are a new graph,
+and buffers live as long as graphs recorded over them. ``compiles`` counts the graphs compiled, ``captures`` the CUDA graphs recorded, ``calls`` the calls (tests
 and benchmarks read them).
 """
 
@@ -115,7 +115,9 @@ class FixedShapeRegion:
 
         self.compiled = torch.compile(fn, backend=counted, dynamic=False, fullgraph=True)
         self.limits = limits
-        self.graphs = collections.OrderedDict()  # owner's graph_key() -> {inputs' key -> (graph, buffers, output)}
+        # owner's graph_key() -> ({inputs' key -> (graph, input buffers)}, the keys :meth:`warm` ran), the most
+        # recently used OWNERS of them (a key holds the buffers a graph was recorded over: they live as long as it)
+        self.owners = collections.OrderedDict()
         self.compiles = 0  # graphs compiled (one per shape; a host read or graph break inside is an error instead)
         self.captures = 0  # CUDA graphs recorded
         self.calls = 0
@@ -126,10 +128,7 @@ class FixedShapeRegion:
         device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
         if device is None or device.type not in self.GRAPHED:  # dense inputs: a graph is specialised to strides too
             return self._run(owner, *pytree.tree_map(dense, args))
-        owned = self.graphs.setdefault(owner.graph_key(), {})
-        self.graphs.move_to_end(owner.graph_key())
-        while len(self.graphs) > self.OWNERS:  # buffers of earlier calls' shapes (another batch size): let go
-            self.graphs.popitem(last=False)
+        owned = self._owned(owner)[0]
         key = (str(spec), tuple(_describe(leaf) for leaf in leaves))
         entry = owned.get(key)
         if entry is None:
@@ -142,6 +141,26 @@ class FixedShapeRegion:
             out = graph.replay()
         # the outputs live in the shared pool: copied out before another graph's replay may write there
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+
+    def warm(self, owner, key, sizes, run) -> None:
+        """``run(size)`` for each of ``sizes`` the first time ``owner``'s buffers (its ``graph_key()``) meet ``key``:
+        every size a call may ask for compiled (on a GPU captured) before decoding needs it, so that no step and no
+        later call compiles."""
+        warmed = self._owned(owner)[1]
+        if key not in warmed:
+            warmed.add(key)
+            for size in sizes:
+                run(size)
+
+    def _owned(self, owner):
+        """``owner``'s record in :attr:`owners` (made on first use); the least recently used beyond
+        :attr:`OWNERS` let go (buffers of earlier calls' shapes, another batch size)."""
+        key = owner.graph_key()
+        record = self.owners.setdefault(key, ({}, set()))
+        self.owners.move_to_end(key)
+        while len(self.owners) > self.OWNERS:
+            self.owners.popitem(last=False)
+        return record
 
     def _run(self, owner, *args):
         if self.limits is None:

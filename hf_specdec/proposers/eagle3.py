@@ -102,7 +102,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
     def graph_key(self):
         """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, its
         drafter and the tree's shape."""
-        return id(self.cache), id(self.drafter), self.top_k, self._tree_base
+        return self.cache, self.drafter, self.top_k, self._tree_base
 
     def _fixed_cache_for(self, state) -> None:
         """Draft with the fixed cache of this drafter, batch size and width: the target's static cache columns, a
@@ -135,25 +135,19 @@ class Eagle3Proposer(FeatureDrafterProposer):
             logits, hidden = self._feed_region(*inputs)
         else:
             region = self._fixed.fixed(type(self)._feed_region)
-            self._warm_feeds(region, inputs)
+            region.warm(self, "feeds", sorted({bucket_size(m) for m in range(1, self.FEED_BUCKETS_UP_TO + 1)}),
+                        lambda size: region(self, *self._scratch_feed(inputs, size)))
             logits, hidden = region(self, *inputs)
         self.synced = layout.length
         return logits, hidden, inputs[4]
 
-    def _warm_feeds(self, region, inputs) -> None:
-        """Compile (on a GPU capture) the feed at every bucket up to :attr:`FEED_BUCKETS_UP_TO` rows the first time
-        this cache feeds one, so that no later step or call compiles during decoding: rows that only write into
-        the scratch column and see nothing else."""
-        if "feeds" in self.cache.warmed:
-            return
-        self.cache.warmed.add("feeds")
+    def _scratch_feed(self, inputs, rows: int):
+        """Feed inputs of ``rows`` rows shaped as ``inputs`` that only write into the scratch column and see nothing
+        else (to compile a bucket size before its first use)."""
         tokens, features, positions, _, seen, root = inputs
-        scratch = self._tree_base - 1
-        for rows in sorted({bucket_size(n) for n in range(1, self.FEED_BUCKETS_UP_TO + 1)}):
-            region(self, tokens.new_zeros(tokens.shape[0], rows), features.new_zeros(features.shape[0], rows,
-                                                                                      features.shape[2]),
-                   positions.new_zeros(positions.shape[0], rows), root.new_full((rows,), scratch),
-                   torch.zeros_like(seen), torch.zeros_like(root))
+        return (tokens.new_zeros(tokens.shape[0], rows), features.new_zeros(features.shape[0], rows, features.shape[2]),
+                positions.new_zeros(positions.shape[0], rows), root.new_full((rows,), self._tree_base - 1),
+                torch.zeros_like(seen), torch.zeros_like(root))
 
     def _feed_region(self, tokens, features, positions, columns, seen, root):
         """One drafter forward over context rows ``tokens, features, positions [B, n(, F)]`` written at the cache
@@ -161,10 +155,9 @@ class Eagle3Proposer(FeatureDrafterProposer):
         logits and hidden state of each batch row's row ``root [B]``."""
         cols = torch.arange(seen.shape[1], device=seen.device)
         sees = ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])  # [B, n, width]
-        mask = torch.zeros(sees.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~sees, torch.finfo(self.dtype).min)[:, None]
         self.cache.at = columns
-        logits, hidden = self.drafter(tokens, features, positions, mask, self.cache, logits_to_keep=root)
+        logits, hidden = self.drafter(tokens, features, positions, self._visible(sees)[:, None], self.cache,
+                                      logits_to_keep=root)
         return logits[:, 0], hidden.gather(1, root[:, None, None].expand(-1, 1, hidden.shape[-1]))[:, 0]
 
     def _tree_fixed(self, state, logits, hidden, seen):
@@ -175,21 +168,14 @@ class Eagle3Proposer(FeatureDrafterProposer):
         depth = self._candidates(max_depth)[0]
         own = self._own(self.top_k)
         region = self._fixed.fixed(type(self)._expand_fixed)
-        processors = state.processors if state.coupling is not None else None
         root_positions = self._on(state.root_positions)
 
         def expand(d):
             _, digits_d, keyed_d = self._candidates(d)
-            noise = self._drafting_noise(state, logits.shape[-1], d)
-            return region(self, logits, hidden, root_positions, seen, own, noise, processors,
-                          tuple(digits_d) if keyed_d else None, d)
+            return region(self, logits, hidden, root_positions, seen, own,
+                          *self._coupling_inputs(state, logits.shape[-1], d), tuple(digits_d) if keyed_d else None, d)
 
-        key = ("trees", processors is None)
-        if key not in self.cache.warmed:  # every depth limit at once (as _warm_feeds): no compilation mid-decoding
-            self.cache.warmed.add(key)
-            for d in range(1, self.depth + 1):
-                if d != max_depth:
-                    expand(d)
+        region.warm(self, state.coupling is None, [d for d in range(1, self.depth + 1) if d != max_depth], expand)
         out = expand(max_depth)
         return self._fixed.fused(type(self)._select)(self, state, *out[:3], depth, *out[3:])
 
@@ -204,8 +190,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         ``noise [B, D, Vd]`` added after the call's warpers (``None``: as drafted), and the feed of depth ``d``'s
         ``k`` rows (``own [k, k]``) at the cache columns ``tree base + (d - 1) * k ..``."""
         bsz, k = seen.shape[0], own.shape[-1]
-        visible = torch.zeros(seen.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~seen, torch.finfo(self.dtype).min)[:, None, :].expand(-1, k, -1)
+        visible = self._visible(seen)[:, None, :].expand(-1, k, -1)
 
         def perturb(scores, d):
             if noise is None:
@@ -229,19 +214,14 @@ class Eagle3Proposer(FeatureDrafterProposer):
         if k <= 0:
             return None
         region = self._fixed.fixed(type(self)._draft_chain_fixed)
-        processors = state.processors if state.coupling is not None else None
         root_positions, own, vocab = self._on(state.root_positions), self._own(1), self._target_vocab(state)
 
         def draft(n):
-            return region(self, logits, hidden, root_positions, seen, own, self._drafting_noise(
-                state, logits.shape[-1], n), processors, state.do_sample, vocab, n)
+            return region(self, logits, hidden, root_positions, seen, own,
+                          *self._coupling_inputs(state, logits.shape[-1], n), state.do_sample, vocab, n)
 
-        key = ("chains", processors is None, state.do_sample)
-        if key not in self.cache.warmed:
-            self.cache.warmed.add(key)
-            for n in range(1, self.chain + 1):
-                if n != k:
-                    draft(n)
+        region.warm(self, (state.coupling is None, state.do_sample), [n for n in range(1, self.chain + 1) if n != k],
+                    draft)
         return self._fixed.fused(type(self)._chain_tree)(self, state, *draft(k))
 
     def _draft_chain_fixed(self, logits, hidden, root_positions, seen, own, noise, processors, sample, vocab, k):

@@ -177,18 +177,18 @@ class FeatureDrafterProposer(Proposer):
                 self._note_worth(state, sum(reach[b][:c]), c)
         return counts
 
-    def _drafting_noise(self, state, vocab: int, depths: int):
-        """Coupled sampling's noise of the next ``depths`` positions in the drafter's vocabulary of ``vocab`` tokens:
-        ``[B, depths, vocab]`` on the drafter's device, ``None`` when the call is not coupled. What
-        :meth:`DecodingState.perturb` adds, taken before a fixed-shape region (:mod:`hf_specdec.graphs`) that adds
-        it after the call's warpers."""
+    def _coupling_inputs(self, state, vocab: int, depths: int):
+        """``(noise, warpers)``: what :meth:`DecodingState.perturb` applies to the drafter's scores of the next
+        ``depths`` positions, taken before a fixed-shape region (:mod:`hf_specdec.graphs`) that applies it: coupled
+        sampling's noise ``[B, depths, vocab]`` in the drafter's vocabulary of ``vocab`` tokens, on its device, and
+        the call's warpers; ``(None, None)`` when the call is not coupled."""
         if state.coupling is None:
-            return None
+            return None, None
         noise = state.noise(depths)
         vocab_ids = draft_vocab_ids(state, self.drafter, vocab)
         if vocab_ids is not None:
             noise = noise.index_select(-1, vocab_ids.to(noise.device))
-        return noise.to(self.device)
+        return noise.to(self.device), state.processors
 
     def _target_probs(self, state, probs: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary distributions ``[..., Vd]`` as target-vocabulary ones ``[..., V]`` on the loop's device

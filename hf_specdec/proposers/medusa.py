@@ -204,26 +204,19 @@ class MedusaProposer(FeatureDrafterProposer):
 
     def graph_key(self):
         """What a CUDA graph of :meth:`_heads` is recorded over (:mod:`hf_specdec.graphs`): the heads."""
-        return id(self.drafter)
+        return self.drafter
 
     def _heads_fixed(self, state, depth: int, k: int):
         """:meth:`_heads` through the runner's fixed-shape region; the first time for this batch size, every depth
         (as a budget near a call's end may ask for fewer heads): no compilation mid-decoding, none on later calls."""
         region = self._fixed.fixed(type(self)._heads)
         vocab = self.drafter.config.draft_vocab_size
-        processors = state.processors if state.coupling is not None else None
 
         def run(d):
-            return region(self, self.last, self._drafting_noise(state, vocab, d), processors, *self._index(d, k), d,
-                          k)
+            return region(self, self.last, *self._coupling_inputs(state, vocab, d), *self._index(d, k), d, k)
 
-        warmed = self._fixed.draft_buffers.setdefault(self.drafter, set())
-        key = (state.batch_size, k, processors is None)
-        if key not in warmed:
-            warmed.add(key)
-            for d in range(1, self.depth + 1):
-                if d != depth:
-                    run(d)
+        region.warm(self, (state.batch_size, k, state.coupling is None),
+                    [d for d in range(1, self.depth + 1) if d != depth], run)
         return run(depth)
 
     @host_side
