@@ -1,11 +1,11 @@
 """Issue 34: eager vs compiled (the ``compile`` option, hf_specdec/compiled.py) on the CPU, SmolLM2-135M-Instruct fp32.
 
 Rows: plain greedy ``generate()`` eager and compiled by transformers (static cache + ``compile_config``), the
-speculative loop without drafts (one compiled one-token verification per step) and EAGLE-3 with the shipped drafter,
-each eager and with ``compile=True``. A row's first call (compilation, calibration) is reported apart; then the mean
+speculative loop without drafts (one compiled one-token verification per step) and the methods drafting with a network
+(EAGLE-3, DFlash, MTP, Medusa, a draft model) with their shipped drafters, each eager and with ``compile=True``. A row's first call (compilation, calibration) is reported apart; then the mean
 over ``--reps`` rounds of the prompts. ``same`` checks every output against plain eager greedy decoding.
 
-Usage: python benchmarks/compile_cpu.py [--new 64] [--reps 2] [--threads 2]
+Usage: python benchmarks/compile_cpu.py [--new 64] [--reps 2] [--threads 2] [--rows plain,dflash,dflash_compiled]
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ TEXTS = [
     "Write a Python function that returns the n-th Fibonacci number, with a docstring and a short example.",
     "Explain in three sentences why the sky is blue.",
 ]
+
+
+NETWORK = ("eagle3", "dflash", "mtp", "medusa", "assisted")  # the rows NAME and NAME_compiled
 
 
 class NoDrafts(Proposer):
@@ -60,9 +63,10 @@ def main():
         "plain_compiled": dict(cache_implementation="static", compile_config=compiled_plain),
         "loop": dict(custom_generate=hf_specdec.decoding_method(NoDrafts())),
         "loop_compiled": dict(custom_generate=hf_specdec.decoding_method(NoDrafts(), compile=True)),
-        "eagle3": dict(custom_generate=hf_specdec.decoding_method("eagle3")),
-        "eagle3_compiled": dict(custom_generate=hf_specdec.decoding_method("eagle3", compile=True)),
     }
+    for method in NETWORK:  # each with its shipped drafter, eager and compiled
+        rows[method] = dict(custom_generate=hf_specdec.decoding_method(method))
+        rows[f"{method}_compiled"] = dict(custom_generate=hf_specdec.decoding_method(method, compile=True))
     with torch.no_grad():
         refs = [model.generate(**enc, **kw) for enc in encs]
         base = None

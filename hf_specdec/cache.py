@@ -69,8 +69,9 @@ class FixedDraftCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         return self
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int):
-        """Write ``keys, values [B, heads, n, head_dim]`` at the columns ``at``; returns the layer's whole width."""
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *_, **__):
+        """Write ``keys, values [B, heads, n, head_dim]`` at the columns ``at``; returns the layer's whole width (the
+        call of transformers' attention layers: their further arguments are not needed here)."""
         if isinstance(self.at, slice):
             self.keys[layer][:, :, self.at] = keys
             self.values[layer][:, :, self.at] = values

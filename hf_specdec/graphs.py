@@ -1,8 +1,8 @@
 """Fixed-shape regions of the step: compiled once per shape, and on a GPU replayed as one CUDA graph each.
 
 ``compile=True`` runs the target's verification at bucket sizes (:mod:`hf_specdec.compiled`). A proposer that drafts
-at fixed shapes (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`: EAGLE-3 over a fixed drafter cache,
-Medusa's heads) hands its forwards to the runner as :class:`FixedShapeRegion` s, functions of tensors whose every
+at fixed shapes (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`: EAGLE-3, MTP, DFlash and draft
+models over a fixed drafter cache, Medusa's heads) hands its forwards to the runner as :class:`FixedShapeRegion` s, functions of tensors whose every
 shape is fixed by a few host integers (the batch size, a bucket, the tree's depth):
 
 * the function goes through ``torch.compile(dynamic=False, fullgraph=True)``: one graph per input shape, no graph
@@ -60,14 +60,16 @@ def _describe(leaf):
     logits warpers: their classes and settings, which the compiled code reads as constants)."""
     if isinstance(leaf, torch.Tensor):
         return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device)
-    return ("value", _value(leaf))
+    return ("value", value_key(leaf))
 
 
-def _value(obj):
+def value_key(obj):
+    """``obj`` as a graph's key holds it: a number, string or ``None`` as itself, a sequence item by item, an object
+    by its class and plain settings (a logits warper), anything else by identity."""
     if isinstance(obj, (int, float, bool, str, type(None))):
         return obj
     if isinstance(obj, (list, tuple)):
-        return tuple(_value(x) for x in obj)
+        return tuple(value_key(x) for x in obj)
     if hasattr(obj, "__dict__"):
         return type(obj).__qualname__, tuple(sorted((k, v) for k, v in vars(obj).items()
                                                      if isinstance(v, (int, float, bool, str, type(None)))))

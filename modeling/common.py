@@ -33,6 +33,15 @@ def target_fit_problems(config, target_config, what: str, ids_for: Callable[[int
     return problems
 
 
+def kept_rows(hidden: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """The rows of ``hidden [B, T, H]`` whose logits a drafter's forward returns: as transformers' models, the last
+    ``logits_to_keep`` (``0``: every row); a ``[B]`` tensor: that one row of each batch row (a context fed with holes
+    or padding, whose root rows differ)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return hidden.gather(1, logits_to_keep[:, None, None].expand(-1, 1, hidden.shape[-1]))
+    return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+
+
 class LoadsWithoutKernelsMixin:
     """``from_pretrained`` (and ``AutoModel.from_pretrained``) of a drafter on every transformers in the tested range,
     with or without the ``kernels`` package (transformers 5.25 needs it for its default ``use_kernels=True``):

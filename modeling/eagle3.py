@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 from hf_specdec._transformers import ACT2FN, LlamaRMSNorm
 from hf_specdec.placement import materialized
 
-from .common import LoadsWithoutKernelsMixin, target_fit_problems
+from .common import LoadsWithoutKernelsMixin, kept_rows, target_fit_problems
 
 
 def default_target_layer_ids(num_target_layers: int) -> list[int]:
@@ -354,11 +354,7 @@ class Eagle3Drafter(LoadsWithoutKernelsMixin, PreTrainedModel):
         embeds = self.embed_tokens(input_ids).to(self.fc.weight.dtype)
         hidden = self.project(hidden_states.to(self.fc.weight.dtype))
         hidden, kv = self.midlayer(embeds, hidden, position_ids, attention_mask, cache, extra_kv, rotary)
-        if isinstance(logits_to_keep, torch.Tensor):  # one row per batch row: [B] row indices
-            kept = hidden.gather(1, logits_to_keep[:, None, None].expand(-1, 1, hidden.shape[-1]))
-        else:
-            kept = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        logits = self.lm_head(self.norm(kept))
+        logits = self.lm_head(self.norm(kept_rows(hidden, logits_to_keep)))
         return (logits, hidden, kv) if return_kv else (logits, hidden)
 
 

@@ -55,7 +55,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 from hf_specdec._transformers import no_split_modules, set_attention_implementation, set_experts_implementation
 from hf_specdec.placement import execution_device, materialized_state_dict
 
-from .common import LoadsWithoutKernelsMixin, TargetHeadMixin, target_fit_problems
+from .common import LoadsWithoutKernelsMixin, TargetHeadMixin, kept_rows, target_fit_problems
 
 LAYOUTS = ("deepseek", "qwen3_next", "mimo")
 # per layout: (embedding norm, hidden norm, projection, output norm) names, and whether one set serves every block
@@ -147,16 +147,24 @@ class _Bound(TargetHeadMixin):
         """The family's rotary embedding for ``position_ids`` (``None`` for a family without one). The rotary
         module holds only computed buffers; it lives outside the module tree (never saved, never initialised on the
         meta device by ``from_pretrained``) and is built on first use on ``x``'s device."""
+        rotary = self.rotary_on(x.device)
+        if rotary is None:
+            return None
+        if self._typed_rope:
+            return rotary(x, position_ids, "full_attention")
+        return rotary(x, position_ids)
+
+    def rotary_on(self, device: torch.device):
+        """The family's rotary embedding module on ``device`` (made on first use there; ``None`` for a family without
+        one). A compiled caller makes it before tracing: dynamo does not enter the ``torch.device`` context."""
         if self._rotary_cls is None:
             return None
         rotary = self.__dict__.get("_rotary")
-        if rotary is None or rotary[0] != x.device:
-            with torch.device(x.device):
-                rotary = (x.device, self._rotary_cls(config=self.config.block_text_config()))
+        if rotary is None or rotary[0] != device:
+            with torch.device(device):
+                rotary = (device, self._rotary_cls(config=self.config.block_text_config()))
             self.__dict__["_rotary"] = rotary
-        if self._typed_rope:
-            return rotary[1](x, position_ids, "full_attention")
-        return rotary[1](x, position_ids)
+        return rotary[1]
 
     def _family(self, config):
         """What both classes start with: ``(block config, decoder layer class, norm class)`` of the family; the
@@ -358,7 +366,8 @@ class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
                 attention_mask: torch.Tensor | None = None, cache=None, step: int = 0, logits_to_keep: int = 0):
         """Logits and chain states of module ``step % K`` (see the class docstring). ``attention_mask``: additive
         ``[B, 1, T, keys]`` (``None``: causal); ``cache``: a transformers cache (the block writes layer ``k``);
-        ``logits_to_keep``: as transformers' models, the logits of the last that many rows only (``0``: every row)."""
+        ``logits_to_keep``: as transformers' models, the logits of the last that many rows only (``0``: every row); a
+        ``[B]`` tensor: of that one row of each batch row (:func:`~.common.kept_rows`)."""
         self._require_bound()
         if hidden_states.shape[-1] != self.config.hidden_size:
             raise ValueError(f"The MTP module reads {self.config.hidden_size}-wide target hidden states, got "
@@ -375,7 +384,7 @@ class MTPModule(LoadsWithoutKernelsMixin, _Bound, PreTrainedModel):
         x = block(x, attention_mask=attention_mask, position_embeddings=self._rope(x, position_ids),
                   position_ids=position_ids, cache=cache, use_cache=cache is not None)
         out = out_norm(x)
-        return (self.logits(out[:, -logits_to_keep:] if logits_to_keep else out),
+        return (self.logits(kept_rows(out, logits_to_keep)),
                 out if self.config.chain_hidden == "normed" else x)
 
 

@@ -96,49 +96,61 @@ def _eagle3(target):
     return on_device(drafter.eval())
 
 
-def test_eagle3_tree_drafts_at_fixed_shapes(eager_backend, monkeypatch):
-    """compile=True drafts EAGLE-3's tree at fixed shapes (hf_specdec.graphs; a CUDA graph per shape on a GPU): the
-    drafter's cache a fixed one kept by the runner, the context fed at bucket sizes, the expansion one graph per depth
-    limit, each compiled whole (no graph break, no host read) on the first call. A padded batch whose rows accept
-    different lengths decodes as the target's own greedy generate(); a second call with another prompt length compiles
-    nothing at all (no verification size, drafter context length or row budget is a new graph: host bookkeeping is
-    never traced, hf_specdec.syncs.host_side). The second call and a coupled sampling call (the plain method's text
-    for the seed) take the GPU's path, a graph per shape over input buffers of its own, with a stand-in for the CUDA
-    graph (:class:`_ReplayOnTheCpu`)."""
+# the methods drafting at fixed shapes here, and the graphs each region compiles on the first call: EAGLE-3's feed at
+# 1, 2, 4, 8 and 16 rows and its tree at depth limits 1, 2 and 3; DFlash's block after 1..16 context rows; MTP's
+# feed and its chain of 1 and 2 drafts; a draft model's feed and its chain of 1, 2 and 3 (Medusa:
+# test_sampling_with_a_compiled_proposal)
+FIXED = {"eagle3": {"_feed_region": 5, "_expand_fixed": 3}, "dflash_tree": {"_block_region": 5},
+         "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2}, "assisted": {"_feed_region": 5, "_chain_region": 3}}
+
+
+@pytest.mark.parametrize("name", list(FIXED))
+def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
+    """compile=True drafts at fixed shapes (hf_specdec.graphs; a CUDA graph per shape on a GPU): the drafter's cache a
+    fixed one kept by the runner, the context fed at bucket sizes, the drafting one graph per depth limit (EAGLE-3's
+    tree, MTP's chain) or the block after each bucket of context (DFlash), each compiled whole (no graph break, no
+    host read) on the first call. A padded batch whose rows accept different lengths decodes as the target's own
+    greedy generate(); a second call with another prompt length compiles nothing at all (no verification size,
+    drafter context length or row budget is a new graph: host bookkeeping is never traced, hf_specdec.syncs.host_side).
+    The second call and (EAGLE-3) a coupled sampling call (the plain method's text for the seed) take the GPU's path, a
+    graph per shape over input buffers of its own, with a stand-in for the CUDA graph (:class:`_ReplayOnTheCpu`)."""
+    import test_syncs
     from hf_specdec.cache import FixedDraftCache
     from hf_specdec.graphs import FixedShapeRegion
     from test_coupled import _run
 
     bsz = 2
-    target = tiny_model("llama", layers=4, hidden=H)
-    drafter = _eagle3(target)
-    method = hf_specdec.decoding_method("eagle3", drafter=drafter, tree_top_k=2, tree_depth=3, tree_total_tokens=5,
-                                        draft_length_schedule="constant", compile=True)
+    if name == "eagle3":
+        target = tiny_model("llama", layers=4, hidden=H)
+        method = hf_specdec.decoding_method("eagle3", drafter=_eagle3(target), tree_top_k=2, tree_depth=3,
+                                            tree_total_tokens=5, draft_length_schedule="constant", compile=True)
+    else:
+        target = test_syncs._target()
+        method = test_syncs.method(name, target)
     runner = runner_for(target, compile=True)
     graphs, compiles = [], []
     for length in (12, 15):
         ids, mask = prompts(bsz, length, seed=bsz)
         ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW)
-        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW,
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW, compile=True,
                               return_dict_in_generate=True, custom_generate=method)
         assert torch.equal(out.sequences, ref)
         assert out.speculative_stats["proposed_drafts"] > 0
         regions = {key[0].__name__: fn for key, fn in runner.compiled_fns.items() if isinstance(fn, FixedShapeRegion)}
-        assert set(regions) == {"_feed_region", "_expand_fixed"} and all(r.calls for r in regions.values())
-        assert isinstance(runner.draft_buffers[drafter][1], FixedDraftCache)
+        assert set(regions) == set(FIXED[name]) and all(r.calls for r in regions.values())
+        assert [type(kept[1]) for kept in runner.draft_buffers.values()] == [FixedDraftCache]
         compiles.append({name: r.compiles for name, r in regions.items()})
         graphs.append(_graphs())
         if target.device.type == "cpu":  # from here on the graph path, a stand-in replaying on the CPU
             monkeypatch.setattr(FixedShapeRegion, "GRAPHED", ("cuda", "cpu"))
             monkeypatch.setattr(FixedShapeRegion, "GRAPH", _ReplayOnTheCpu)
-    # the first call compiled the feed at 1, 2, 4, 8 and 16 rows and the tree at depth limits 1, 2 and 3, no more
-    assert compiles[0] == compiles[1] == {"_feed_region": 5, "_expand_fixed": 3}
+    assert compiles[0] == compiles[1] == FIXED[name]
     assert graphs[1] == graphs[0]
-    captured = {name: r.captures for name, r in regions.items()}
-    assert captured["_feed_region"] > 0 and captured["_expand_fixed"] > 0  # each shape used, once
-    assert all(r.captures <= 5 if name == "_feed_region" else r.captures <= 3 for name, r in regions.items())
+    assert all(0 < r.captures <= FIXED[name][n] for n, r in regions.items())  # each shape used, captured once
+    if name != "eagle3":  # MTP perturbs as EAGLE-3 in its regions, DFlash after its region as when eager
+        return
     ref, _ = _run(target, hf_specdec.decoding_method("plain"), bsz, seed=11)
-    out, stats = _run(target, method, bsz, seed=11)
+    out, stats = _run(target, method, bsz, seed=11, compile=True)
     assert out == ref and stats["sampling"] == "coupled" and stats["proposed_drafts"] > 0
 
 
@@ -202,12 +214,14 @@ def test_bench_method_string_takes_compile():
     assert [m.kwargs["custom_generate"].defaults.get("compile") for m in methods] == [True, None]
 
 
-@pytest.mark.parametrize("name", ["medusa", pytest.param("eagle3_chain", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("name", ["medusa", pytest.param("eagle3_chain", marks=pytest.mark.extended),
+                                  pytest.param("assisted", marks=pytest.mark.extended)])
 def test_sampling_with_a_compiled_proposal(name, eager_backend, monkeypatch):
     """Sampling under compile=True, the proposal (its draws, its coupled noise) inside compiled code, at fixed shapes
-    (both methods draft so; the coupled call through the graph path, replayed on the CPU): coupled sampling gives the
-    plain method's text for the seed (a padded batch of 3), and rejection sampling draws the target's exact
-    distribution (test_sampling's chi-square over 6,000 samples). EAGLE-3's chain with ``pytest --extended``."""
+    (the three methods draft so; the coupled call through the graph path, replayed on the CPU): coupled sampling gives
+    the plain method's text for the seed (a padded batch of 3), and rejection sampling draws the target's exact
+    distribution (test_sampling's chi-square over 6,000 samples). EAGLE-3's chain and a draft model's with
+    ``pytest --extended``."""
     import test_sampling
     import test_syncs
     from test_coupled import _run

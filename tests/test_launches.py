@@ -57,7 +57,7 @@ def count(name: str, bsz: int = 1, compile: bool = False, calls: int = 1) -> tup
     return counters, out.speculative_stats
 
 
-@pytest.mark.parametrize("name", ["prompt_lookup", "hybrid", "dflash_tree", "suffix"])
+@pytest.mark.parametrize("name", ["prompt_lookup", "hybrid", "suffix"])
 def test_a_call_counts_one_range_per_verification_and_the_same_every_time(name, steady_clock):
     """Under a clock that reads the same every run (hybrid drafting and the draft lengths follow measured times), a
     call on a fresh target counts the same every time (after the first in the process, which may fill a module's

@@ -134,7 +134,7 @@ def test_manual_seed_gives_plains_text_with_the_shipped_drafters(smollm2):
 
     def run(method):
         torch.manual_seed(0)
-        out = model.generate(**enc, max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.95,
+        out = model.generate(**enc, max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.95,
                              return_dict_in_generate=True, custom_generate=hf_specdec.decoding_method(method))
         return out.sequences.tolist(), out.speculative_stats["seed"]
 

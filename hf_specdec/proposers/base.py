@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .. import cache as cache_ops
 from ..adaptive import ALL_ON, Rules
 from ..costs import RecentMinimum
 from ..tree import DraftTree
@@ -117,6 +118,7 @@ class Proposer:
     max_nodes: int = 1
     name: str = "proposer"
     merges_rows: bool = True
+    _fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
 
     def draft_modules(self) -> list:
         """The modules only drafting runs (default: ``self.drafter`` when it is one). The target runner may give
@@ -138,6 +140,26 @@ class Proposer:
         :meth:`propose` compiled whole with dynamic shapes. Returns whether this proposer does so for the call; called
         again with ``runner=None`` when the call ends. Default: it does not."""
         return False
+
+    def _on(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the drafter's device (no call when it is there: a step makes many of these)."""
+        return t if t.device == self.device else t.to(self.device)
+
+    def _take_fixed_cache(self, state, rows: int, heads: int, head_dim: int, layers: int) -> int:
+        """Draft over the fixed cache of this drafter, batch size and width (:class:`~hf_specdec.cache.FixedDraftCache`):
+        the target's static cache columns, a scratch column (where padding rows write, which no row sees) and ``rows``
+        columns of the drafter's own guesses after it. The runner keeps it for later calls (one per drafter: a call of
+        another shape replaces it), so their regions find their graphs recorded over it. Returns the first column
+        after the scratch one (the guesses' first)."""
+        base = state.cache.get_max_length() + 1
+        key = (state.batch_size, base + rows, self.dtype, str(self.device))
+        kept = self._fixed.draft_buffers.get(self.drafter)
+        if kept is None or kept[0] != key:
+            kept = (key, cache_ops.FixedDraftCache(base + rows).allocate(state.batch_size, heads, head_dim, layers,
+                                                                         self.dtype, self.device))
+            self._fixed.draft_buffers[self.drafter] = kept
+        self.cache, self.synced = kept[1], 0
+        return base
 
     def prepare(self, model) -> None:
         """Called before the target's prefill: check the proposer fits ``model`` and set ``target_hidden_states``."""

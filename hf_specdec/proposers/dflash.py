@@ -31,10 +31,12 @@ import heapq
 import time
 
 import torch
+import torch.nn.functional as F
 
 from .. import cache as cache_ops
 from ..conversions.common import load_converted_or_published
 from ..conversions.dflash import LAYOUTS, NATIVE_DRAFTERS, as_dflash_drafter, convert_dflash, export_dflash
+from ..compiled import bucket_size
 from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
@@ -70,24 +72,122 @@ class DFlashProposer(FeatureDrafterProposer):
 
     def _masks(self, state, block_pos):
         """One additive mask per drafter layer over [context columns ‖ block]."""
-        cfg = self.drafter.config
         layout = state.layout
         bsz, n = block_pos.shape
         ctx_ok = layout.valid.to(self.device)[:, None, :].expand(bsz, n, layout.length)
-        key_pos = torch.cat([layout.positions, block_pos], dim=1).to(self.device)
-        q_pos = block_pos.to(self.device)
-        minval = torch.finfo(self.dtype).min
-        masks = []
-        for i in range(cfg.num_hidden_layers):
+
+        def allowed(causal: bool):
             block_ok = torch.ones(n, n, dtype=torch.bool, device=self.device)
-            if cfg.layer_is_causal(i):
-                block_ok = block_ok.tril()
-            allowed = torch.cat([ctx_ok, block_ok.expand(bsz, n, n)], dim=2)
-            if cfg.layer_types[i] == "sliding_attention":
-                allowed &= (q_pos[:, :, None] - key_pos[:, None, :]).abs() < cfg.sliding_window
-            mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(~allowed, minval)
-            masks.append(mask[:, None])
+            return torch.cat([ctx_ok, (block_ok.tril() if causal else block_ok).expand(bsz, n, n)], dim=2)
+
+        key_pos = torch.cat([layout.positions, block_pos], dim=1).to(self.device)
+        return self._layer_masks(allowed, key_pos, block_pos.to(self.device))
+
+    def _layer_masks(self, allowed, key_pos, q_pos):
+        """One additive mask per drafter layer: ``allowed(causal)`` (``[B, n, K]`` booleans, the block causal inside
+        itself or not), a sliding layer's window by position (``key_pos [B, K]``, ``q_pos [B, n]``). Layers of one kind
+        share their mask."""
+        cfg = self.drafter.config
+        masks, made = [], {}
+        for i in range(cfg.num_hidden_layers):
+            kind = (cfg.layer_is_causal(i), cfg.layer_types[i] == "sliding_attention")
+            if kind not in made:
+                ok = allowed(kind[0])
+                if kind[1]:
+                    ok = ok & ((q_pos[:, :, None] - key_pos[:, None, :]).abs() < cfg.sliding_window)
+                made[kind] = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(
+                    ~ok, torch.finfo(self.dtype).min)[:, None]
+            masks.append(made[kind])
         return masks
+
+    # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
+    FEED_BUCKETS_UP_TO = 16  # more new context columns (the prompt, a backlog) are fed eagerly at their own width
+
+    def draft_at_fixed_shapes(self, runner) -> bool:
+        """A :class:`DFlashDrafter` drafts at fixed shapes under ``compile=True``: its cache a
+        :class:`~hf_specdec.cache.FixedDraftCache` as wide as the target's static cache, plus a scratch column and the
+        block's columns; the new context padded to a bucket of rows and the block in one forward, with the block
+        positions' logits, one region per bucket (:meth:`_block_region`)."""
+        ok = runner is not None and isinstance(self.drafter, DFlashDrafter)
+        self._fixed = runner if ok else None
+        return ok
+
+    def graph_key(self):
+        """What a CUDA graph of :meth:`_block_region` is recorded over (:mod:`hf_specdec.graphs`): the drafter's cache
+        and the drafter (with the target's embeddings and LM head it holds)."""
+        return self.cache, self.drafter
+
+    def _block_fixed(self, state) -> tuple[torch.Tensor, int]:
+        """:meth:`_block_eager` at fixed shapes: the new context columns padded to a bucket of rows (the padding rows
+        write into the scratch column, which no row sees), the block written at its own columns after it (overwritten
+        by the next proposal's), every mask over the cache's whole width; the first time for this cache every bucket
+        compiled (on a GPU captured)."""
+        if not isinstance(self.cache, cache_ops.FixedDraftCache):
+            attn = self.drafter.layers[0].self_attn
+            self._block_base = self._take_fixed_cache(state, self.block_size, attn.num_kv, attn.head_dim,
+                                                      len(self.drafter.layers))
+        layout = state.layout
+        n = layout.length - self.synced
+        rows = bucket_size(n) if n <= self.FEED_BUCKETS_UP_TO else n
+        inputs = self._fixed.fused(_fixed_block_inputs)(
+            self._on(layout.valid), self._on(layout.positions), self.features, self._on(state.roots()),
+            self._on(state.root_positions), self.synced, rows, self._block_base, self.block_size,
+            self.drafter.config.mask_token_id)
+        width = min(self.block_size - 1, self.tree_budget or self.block_size)
+        if n > self.FEED_BUCKETS_UP_TO:
+            logits = self._block_region(*inputs, width)
+        else:
+            region = self._fixed.fixed(type(self)._block_region)
+            region.warm(self, "blocks", sorted({bucket_size(m) for m in range(1, self.FEED_BUCKETS_UP_TO + 1)}),
+                        lambda size: region(self, *self._scratch_block(inputs, size), width))
+            logits = region(self, *inputs, width)
+        self.synced = layout.length
+        return logits[:, :state.deepest(width)], n
+
+    def _scratch_block(self, inputs, rows: int):
+        """Inputs of ``rows`` context rows shaped as ``inputs`` that write only into the scratch column and the block's
+        columns and see nothing else (to compile a bucket size before its first use)."""
+        features, ctx_pos, columns, seen, key_pos, block, block_pos = inputs
+        size = block.shape[1]
+        return (features.new_zeros(features.shape[0], rows, features.shape[2]), ctx_pos.new_zeros(ctx_pos.shape[0], rows),
+                torch.cat([columns.new_full((rows,), self._block_base - 1), columns[-size:]]), torch.zeros_like(seen),
+                torch.zeros_like(key_pos), torch.zeros_like(block), torch.zeros_like(block_pos))
+
+    def _block_region(self, features, ctx_pos, columns, seen, key_pos, block, block_pos, width: int):
+        """One drafter forward: context rows ``features [B, c, F]`` at positions ``ctx_pos [B, c]`` written at the
+        cache ``columns[:c]``, the block ``block [B, n]`` at ``block_pos`` written at ``columns[c:]`` (the cache's last
+        ``n``), the block seeing the context columns ``seen [B, K]`` and itself (``key_pos [B, K]``: every column's
+        position, for sliding layers); the logits of block positions ``1..width``, float32."""
+        n, cols = block.shape[1], torch.arange(seen.shape[1], device=seen.device)
+        offset = cols - (seen.shape[1] - n)  # [K] the column's place in the block (negative: not the block's)
+        below = offset <= torch.arange(n, device=seen.device)[:, None]  # [n, K] not after the query in the block
+
+        def allowed(causal: bool):
+            own = (offset >= 0) & below if causal else (offset >= 0).expand(n, -1)
+            return seen[:, None, :] | own
+
+        self.cache.at = columns
+        hidden = self.drafter(self.drafter.embed(block), self.drafter.project(features), block_pos, ctx_pos,
+                              self._layer_masks(allowed, key_pos, block_pos), self.cache)
+        return self.drafter.draft_logits(hidden[:, 1:1 + width]).float()
+
+    def _block_eager(self, state) -> tuple[torch.Tensor, int]:
+        """The proposal's drafter forward: the context columns fed since the last one and the block ``[root, mask,
+        ...]`` at positions ``root_position + 0..``; the block's keys/values dropped after it. Returns the logits of the
+        block positions a draft may use (:meth:`_block_logits`) and the context columns fed."""
+        layout = state.layout
+        bsz, size = state.batch_size, self.block_size
+        start, end = self.synced, layout.length
+        context = self.drafter.project(self.features[:, start:end])
+        block = torch.full((bsz, size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
+        block[:, 0] = state.roots().to(self.device)
+        block_pos = state.root_positions[:, None] + torch.arange(size, device=state.device)
+        hidden = self.drafter(self.drafter.embed(block), context, block_pos.to(self.device),
+                              layout.positions[:, start:end].to(self.device), self._masks(state, block_pos), self.cache)
+        self.synced = end
+        cache_ops.crop(self.cache, end)  # keep the context, drop the block
+        # [B, width <= size-1, V]; a tree is at most as deep as its budget
+        return self._block_logits(state, hidden[:, 1:1 + (self.tree_budget or size)]), end - start
 
     def _keep(self, state, reaches: list[float], budget: int) -> tuple[int, tuple[float, float] | None]:
         """Drafts worth verifying: ``k`` maximising expected committed tokens per unit of forward cost, where the
@@ -125,23 +225,12 @@ class DFlashProposer(FeatureDrafterProposer):
         if self.backoff.skipping():
             return None
         t0 = time.perf_counter()
-        layout = state.layout
-        bsz, size = state.batch_size, self.block_size
-        start, end = self.synced, layout.length
-        context = self.drafter.project(self.features[:, start:end])
-        block = torch.full((bsz, size), self.drafter.config.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = state.roots().to(self.device)
-        block_pos = state.root_positions[:, None] + torch.arange(size, device=state.device)
-        hidden = self.drafter(self.drafter.embed(block), context, block_pos.to(self.device),
-                              layout.positions[:, start:end].to(self.device), self._masks(state, block_pos), self.cache)
-        self.synced = end
-        cache_ops.crop(self.cache, end)  # keep the context, drop the block
-        # [B, width <= size-1, V]; a tree is at most as deep as its budget
-        logits = self._block_logits(state, hidden[:, 1:1 + (self.tree_budget or size)])
+        logits, fed = (self._block_fixed if self._fixed is not None else self._block_eager)(state)
+        bsz = state.batch_size
         width = logits.shape[1]
         logits = state.perturb(logits, range(width))  # coupled sampling: each depth under its position's noise
         if self.tree_budget:
-            return self._tree(state, logits, t0 if end - start <= self.BACKLOG else None)
+            return self._tree(state, logits, t0 if fed <= self.BACKLOG else None)
         process = state.draft_process_fn()
         probs_all = []
         if process is None and not state.do_sample:  # greedy, on the device; adaptive: the confidences in one read
@@ -162,7 +251,7 @@ class DFlashProposer(FeatureDrafterProposer):
                 probs_all.append(row_probs)
                 host_conf.append(row_probs.max(-1).values.tolist())
             drafts = torch.stack(drafts)
-        kept = self._keep_rows(state, host_conf, width, t0 if end - start <= self.BACKLOG else None)
+        kept = self._keep_rows(state, host_conf, width, t0 if fed <= self.BACKLOG else None)
         if kept is None:
             return None
         draft_probs = torch.stack(probs_all) if state.do_sample else None
@@ -191,8 +280,8 @@ class DFlashProposer(FeatureDrafterProposer):
         process = state.draft_process_fn()
         if process is not None:
             logits = _processed(state, process, logits)
-        top_p, top_ids = torch.softmax(logits, -1).topk(min(self.TREE_WIDTH, self.tree_budget, logits.shape[-1]), -1)
-        host = torch.stack([top_p.double(), top_ids.double()]).tolist()  # [2][B][W][k]: the proposal's one read
+        top = self._fixed.fused(_top_tokens) if self._fixed is not None else _top_tokens
+        host = top(logits, min(self.TREE_WIDTH, self.tree_budget, logits.shape[-1])).tolist()  # the one read
         return self._tree_of(state, host, width, t0)
 
     @host_side
@@ -264,6 +353,32 @@ def best_first(probs: list[list[float]], budget: int) -> list[tuple[int, int, in
             heapq.heappush(heap, (neg * probs[d + 1][0], pushed, d + 1, 0, len(nodes), -neg))
             pushed += 1
     return nodes
+
+
+def _top_tokens(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``[2, B, W, k]`` (float64): the probabilities and ids of the ``k`` most likely tokens of each block position
+    (``logits [B, W, V]``)."""
+    top_p, top_ids = torch.softmax(logits, -1).topk(k, -1)
+    return torch.stack([top_p.double(), top_ids.double()])
+
+
+def _fixed_block_inputs(valid, positions, features, roots, root_positions, start: int, rows: int, base: int, size: int,
+                        mask_id: int):
+    """:meth:`DFlashProposer._block_region`'s inputs: the layout's columns ``start..`` (``valid, positions [B, T]``,
+    ``features [B, T, F]``) as context rows padded to ``rows`` (padding rows write into the scratch column ``base -
+    1``), the block ``[root, mask, ...]`` of ``size`` at positions ``root_positions [B] + 0..`` written at the columns
+    ``base..base + size``: ``(features, ctx_pos, columns, seen, key_pos, block, block_pos)``, ``seen [B, base + size]``
+    the columns holding context, ``key_pos`` every column's position."""
+    n, pad = valid.shape[1] - start, rows - (valid.shape[1] - start)
+    index = torch.arange(n, device=valid.device)
+    columns = torch.cat([index + start, index.new_full((pad,), base - 1),
+                         torch.arange(base, base + size, device=valid.device)])
+    block_pos = root_positions[:, None] + torch.arange(size, device=valid.device)
+    block = torch.cat([roots[:, None], roots.new_full((roots.shape[0], size - 1), mask_id)], dim=1)
+    width = base + size - valid.shape[1]
+    return (F.pad(features[:, start:], (0, 0, 0, pad)), F.pad(positions[:, start:], (0, pad)), columns,
+            F.pad(valid, (0, width)), torch.cat([F.pad(positions, (0, width - size)), block_pos], dim=1), block,
+            block_pos)
 
 
 def _processed(state, process, logits: torch.Tensor) -> torch.Tensor:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from .. import identity
+from ..compiled import bucket_size
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
 from ..placement import materialized
 from ..registry import SCHEDULE, DrafterSpec, Method, Option
-from ..tree import DraftTree, build_attention_mask
+from ..coupling import apply_warpers
+from ..graphs import value_key
+from ..tree import DraftTree, additive_mask, build_attention_mask
 from .base import Carried, Proposer, next_draft, rules_of
 from .hybrid import HYBRID
 
@@ -140,15 +144,127 @@ class DraftModelProposer(Proposer):
     def _forward(self, state, tokens, positions, past_valid, past_pos, new_attends):
         mask = build_attention_mask(self.drafter.config, past_valid.to(self.device), past_pos.to(self.device),
                                     positions.to(self.device), new_attends.to(self.device), self.dtype)
-        kw = dict(input_ids=tokens.to(self.device), attention_mask=mask, position_ids=positions.to(self.device),
-                  cache=self.cache, use_cache=True, return_dict=True)
+        return self._logits(tokens.to(self.device), positions.to(self.device), mask, 1).to(state.device)
+
+    def _logits(self, tokens, positions, mask, keep):
+        """``[B, V]`` float32: the drafter's logits over its cache and ``tokens, positions [B, n]`` (``mask``: its
+        attention mask) at the row ``keep`` picks (transformers' ``logits_to_keep``: ``1`` the last row, a ``[1]``
+        tensor that row), in the target's vocabulary (a restricted head's other tokens at -inf: never drafted)."""
+        kw = dict(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=self.cache, use_cache=True,
+                  return_dict=True)
         if self.head is None:
-            return self.drafter(**kw, logits_to_keep=1).logits[:, -1].float().to(state.device)
-        hidden = self.drafter.base_model(**kw).last_hidden_state[:, -1]
-        sub = self.head(hidden).float()
+            return self.drafter(**kw, logits_to_keep=keep).logits[:, -1].float()
+        hidden = self.drafter.base_model(**kw).last_hidden_state
+        sub = self.head(hidden[:, -1] if isinstance(keep, int) else hidden[:, keep][:, -1]).float()
         logits = sub.new_full((sub.shape[0], self.drafter.get_output_embeddings().out_features), float("-inf"))
-        logits[:, self.vocab] = sub  # tokens outside the draft vocabulary are never drafted
-        return logits.to(state.device)
+        logits[:, self.vocab] = sub
+        return logits
+
+    # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
+    FEED_BUCKETS_UP_TO = 16  # more new context columns (the prompt, a backlog) are fed eagerly at their own width
+
+    def draft_at_fixed_shapes(self, runner) -> bool:
+        """A draft model with one additive attention mask (no sliding-window layers) and no ``confidence`` rule (a
+        host read per draft) drafts at fixed shapes under ``compile=True``: its cache a
+        :class:`~hf_specdec.cache.FixedDraftCache` of the target's static width (its columns mirror the target's, the
+        root and the chain's drafts at the columns the target verifies them in) plus a scratch column; the new context
+        and the root fed at a bucket of rows (:meth:`_feed_region`), the whole chain one region per length
+        (:meth:`_chain_region`). Drafts come from the drafter's logits through the call's warpers (temperature, top-k,
+        top-p): other logits processors, which read each row's ids, are the target's rule alone there (exact either
+        way)."""
+        ok = runner is not None and self.confidence is None and additive_mask(self.drafter.config)
+        self._fixed = runner if ok else None
+        return ok
+
+    def graph_key(self):
+        """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, the
+        drafter and its restricted head."""
+        return self.cache, self.drafter, self.head
+
+    def _propose_fixed(self, state, k: int):
+        """:meth:`propose`'s drafting at fixed shapes: ``(drafts [B, k], probs [B, k, V] or None)``."""
+        if not isinstance(self.cache, cache_ops.FixedDraftCache):
+            cfg = self.drafter.config.get_text_config()
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            self._take_fixed_cache(state, 0, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                                   head_dim, cfg.num_hidden_layers)
+        layout = state.layout
+        n = layout.length + 1 - self.synced  # the new context columns and the root
+        rows = bucket_size(n) if n <= self.FEED_BUCKETS_UP_TO else n
+        inputs = self._fixed.fused(_fixed_feed_inputs)(
+            self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), self._on(state.roots()),
+            self._on(state.root_positions), self.synced, rows, self.cache.width)
+        if n > self.FEED_BUCKETS_UP_TO:
+            logits = self._feed_region(*inputs)
+        else:
+            feed = self._fixed.fixed(type(self)._feed_region)
+            feed.warm(self, "feeds", sorted({bucket_size(m) for m in range(1, self.FEED_BUCKETS_UP_TO + 1)}),
+                      lambda size: feed(self, *self._scratch_feed(inputs, size)))
+            logits = feed(self, *inputs)
+        chain = self._fixed.fixed(type(self)._chain_region)
+        seen, root_column, root_positions = inputs[3], inputs[2][n - 1:n], self._on(state.root_positions)
+        noise = state.noise(k).to(self.device) if state.coupling is not None else None
+        # the call's warpers shape sampled and coupled drafts (greedy: none; other processors: the target's rule)
+        warpers = tuple(state.processors) if state.do_sample or noise is not None else ()
+
+        def draft(length):
+            extra = None if noise is None else state.noise(length).to(self.device)
+            return chain(self, logits, seen, root_column, root_positions, extra, warpers, state.do_sample, length)
+
+        chain.warm(self, (state.coupling is None, state.do_sample, value_key(warpers)), range(1, self.max_tokens + 1),
+                   draft)
+        t0 = time.perf_counter()
+        out = chain(self, logits, seen, root_column, root_positions, noise, warpers, state.do_sample, k)
+        if k > 1:
+            self.token_seconds.add((time.perf_counter() - t0) / (k - 1))
+        return out
+
+    def _scratch_feed(self, inputs, rows: int):
+        """Feed inputs of ``rows`` rows shaped as ``inputs`` that only write into the scratch column and see nothing
+        else (to compile a bucket size before its first use)."""
+        tokens, positions, columns, seen, _ = inputs
+        return (tokens.new_zeros(tokens.shape[0], rows), positions.new_zeros(positions.shape[0], rows),
+                columns.new_full((rows,), self.cache.width - 1), torch.zeros_like(seen), columns.new_zeros(1))
+
+    def _feed_region(self, tokens, positions, columns, seen, root):
+        """One drafter forward over rows ``tokens, positions [B, n]`` written at the cache ``columns [n]``, each row
+        seeing the columns of ``seen [B, width]`` up to its own, and itself; the logits ``[B, V]`` of row ``root
+        [1]`` (the root's)."""
+        cols = torch.arange(seen.shape[1], device=seen.device)
+        sees = ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])  # [B, n, width]
+        self.cache.at = columns
+        return self._logits(tokens, positions, self._additive(sees)[:, None], root)
+
+    def _chain_region(self, logits, seen, root_column, root_positions, noise, warpers, sample: bool, k: int):
+        """The chain of ``k`` from the root's ``logits [B, V]``: each draft drawn (``sample``) or the argmax of the
+        logits through ``warpers`` (plus coupled sampling's ``noise [B, k, V]``, drafted greedily), fed at column
+        ``root_column [1] + i`` and position ``root_positions [B] + i`` over the columns ``seen [B, width]`` and the
+        chain's. Returns ``(drafts [B, k], probs [B, k, V] or None)``, the distributions drafts were drawn from."""
+        drafts, probs = [], []
+        cols = torch.arange(seen.shape[1], device=seen.device)
+        for i in range(k):
+            scores = apply_warpers(warpers, logits)
+            if noise is not None:
+                scores = scores + noise[:, i]
+            if sample and noise is None:
+                p = torch.softmax(scores, dim=-1)
+                token = torch.multinomial(p, 1)[:, 0]
+                probs.append(p)
+            else:
+                token = scores.argmax(-1)
+            drafts.append(token)
+            if i == k - 1:
+                break
+            column = (root_column + 1 + i).clamp(max=seen.shape[1] - 1)  # the scratch column past the cache's end
+            seen = seen | (cols == column)
+            self.cache.at = column
+            logits = self._logits(token[:, None], (root_positions + 1 + i)[:, None],
+                                  self._additive(seen)[:, None, None], 1)
+        return torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if probs else None
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~allowed, torch.finfo(self.dtype).min)
 
     def propose(self, state):
         bsz = state.batch_size
@@ -162,9 +278,17 @@ class DraftModelProposer(Proposer):
         if k <= 0:
             self.fed = 0
             return None
+        roots = state.roots()
+        if self._fixed is not None:
+            drafts_t, draft_probs = self._propose_fixed(state, k)
+            drafts_t, self.fed = drafts_t.to(state.device), k
+            self.fed_tokens = torch.cat([roots[:, None], drafts_t[:, :k - 1]], dim=1)
+            self.counts = [min(b, k) for b in budgets]
+            self.tree = DraftTree.chain(roots, drafts_t, self.counts,
+                                        draft_probs.to(state.device) if draft_probs is not None else None)
+            return self.tree
         layout = state.layout
         past = self.synced
-        roots = state.roots()
         # feed the committed columns the drafter has not seen (same holes as the target), then the root
         tokens = torch.cat([layout.tokens[:, past:], roots[:, None]], dim=1)
         positions = torch.cat([layout.positions[:, past:], state.root_positions[:, None]], dim=1)
@@ -228,7 +352,8 @@ class DraftModelProposer(Proposer):
                 keep = int(differs[0])
         self.synced = past + keep
         self.tree = None
-        cache_ops.crop(self.cache, self.synced)
+        if not isinstance(self.cache, cache_ops.FixedDraftCache):  # a fixed cache's later columns are overwritten
+            cache_ops.crop(self.cache, self.synced)
 
     def on_compact(self, state, index) -> None:
         self.cache = DynamicCache()
@@ -236,8 +361,27 @@ class DraftModelProposer(Proposer):
         self.fed = 0
 
     def hand_back(self, state, index) -> Carried:
-        """The drafter cache over the leading columns of the handed-back cache it holds."""
+        """The drafter cache over the leading columns of the handed-back cache it holds (none from a fixed cache: the
+        runner keeps that for later calls)."""
+        if isinstance(self.cache, cache_ops.FixedDraftCache):
+            return None
         return Carried.of(self.drafter, self.cache, cache_ops.kept_mirror(self.cache, self.synced, index))
+
+
+def _fixed_feed_inputs(valid, tokens, positions, roots, root_positions, start: int, rows: int, width: int):
+    """The drafter rows of the layout's columns ``start..`` (``valid, tokens, positions [B, T]``) and of the root
+    (``roots, root_positions [B]``, at column ``T``) as :meth:`DraftModelProposer._feed_region` takes them, padded to
+    ``rows`` rows (padding rows write into the cache's last column, the scratch one): ``(tokens, positions, columns,
+    seen, root)``, ``seen [B, width]`` the columns holding context and the root, ``root [1]`` the root's row."""
+    length = valid.shape[1]
+    n = length - start + 1
+    pad = rows - n
+    columns = torch.cat([torch.arange(start, length + 1, device=valid.device),
+                         torch.full((pad,), width - 1, dtype=torch.long, device=valid.device)])
+    seen = torch.cat([valid, valid.new_ones(valid.shape[0], 1), valid.new_zeros(valid.shape[0], width - length - 1)], 1)
+    return (F.pad(torch.cat([tokens[:, start:], roots[:, None]], dim=1), (0, pad)),
+            F.pad(torch.cat([positions[:, start:], root_positions[:, None]], dim=1), (0, pad)), columns, seen,
+            torch.full((1,), n - 1, dtype=torch.long, device=valid.device))
 
 
 def _build(target, opts) -> DraftModelProposer:

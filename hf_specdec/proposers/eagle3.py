@@ -84,7 +84,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
         self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`; (k, device, dtype) -> :meth:`_own`
-        self._fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
 
     # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
     FEED_BUCKETS_UP_TO = 16  # a context feed of more columns (the prompt, a backlog) runs eagerly at its own width
@@ -95,9 +94,17 @@ class Eagle3Proposer(FeatureDrafterProposer):
         tree's (chain's) rows at fixed columns after it; the context fed at bucket sizes (:meth:`_feed_fixed`) and
         the whole expansion one region per depth limit (:meth:`_expand_fixed`, :meth:`_chain_fixed`). A drafter of
         another kind (MTP) keeps its dynamic compiled proposal."""
-        ok = runner is not None and isinstance(self.drafter, Eagle3Drafter) and self._additive_masks()
+        ok = runner is not None and self._kv_shape() is not None and self._additive_masks()
         self._fixed = runner if ok else None
         return ok
+
+    def _kv_shape(self) -> tuple[int, int] | None:
+        """``(key/value heads, head dim)`` of the drafter's one attention layer; ``None``: a drafter that does not
+        draft at fixed shapes."""
+        if not isinstance(self.drafter, Eagle3Drafter):
+            return None
+        attn = self.drafter.midlayer.self_attn
+        return attn.num_kv, attn.head_dim
 
     def graph_key(self):
         """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, its
@@ -105,21 +112,12 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return self.cache, self.drafter, self.top_k, self._tree_base
 
     def _fixed_cache_for(self, state) -> None:
-        """Draft with the fixed cache of this drafter, batch size and width: the target's static cache columns, a
-        scratch column for padding rows, the tree rows. The runner keeps it for later calls (one per drafter: a call
-        of another shape replaces it), so their regions find their graphs recorded over it."""
+        """Draft over the runner's fixed cache (:meth:`_take_fixed_cache`), the tree's (chain's) rows after its
+        scratch column."""
         if isinstance(self.cache, cache_ops.FixedDraftCache):
             return
-        self._tree_base = state.cache.get_max_length() + 1
-        width = self._tree_base + (self.chain - 1 if self.chain else (self.depth - 1) * self.top_k)
-        key = (state.batch_size, width, self.dtype, str(self.device))
-        kept = self._fixed.draft_buffers.get(self.drafter)
-        if kept is None or kept[0] != key:
-            attn = self.drafter.midlayer.self_attn
-            kept = (key, cache_ops.FixedDraftCache(width).allocate(state.batch_size, attn.num_kv, attn.head_dim, 1,
-                                                                     self.dtype, self.device))
-            self._fixed.draft_buffers[self.drafter] = kept
-        self.cache, self.synced = kept[1], 0
+        self._tree_base = self._take_fixed_cache(state, self.chain - 1 if self.chain else (self.depth - 1) * self.top_k,
+                                                 *self._kv_shape(), 1)
 
     def _feed_fixed(self, state):
         """:meth:`_feed_context` at fixed shapes: the new context columns padded to a bucket of rows (the padding rows
@@ -236,10 +234,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self._rotary = None  # the proposal's RoPE table for the tree rows (:meth:`_draft_forward`)
 
     # ---- drafter forwards
-    def _on(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` on the drafter's device (no call when it is there: a step makes many of these)."""
-        return t if t.device == self.device else t.to(self.device)
-
     def _mask(self, state, past_valid, past_pos, new_pos, new_attends):
         return build_attention_mask(self.drafter.config, self._on(past_valid), self._on(past_pos), self._on(new_pos),
                                     self._on(new_attends), self.dtype)

@@ -207,7 +207,7 @@ class LayerSkipProposer(Proposer):
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs, exits = [], [], []
         current = roots
-        reach = 1.0  # P(every draft so far accepted)
+        reach, last = 1.0, 1.0  # P(every draft so far accepted); the last draft's confidence
         for j in range(k):
             if j > 0 and self.num_tokens is None:
                 if self.confidence is not None:  # Kangaroo's second exit: the last draft was not confident enough

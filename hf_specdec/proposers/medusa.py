@@ -119,7 +119,6 @@ class MedusaProposer(FeatureDrafterProposer):
         self._indices: dict = {}  # (device, depth, k) -> the pool's index tensors (:meth:`_index`)
         self._allowed_nodes: dict = {}  # (depth, k, budget) -> the pool nodes a row may draft (:meth:`_allowed`)
         self._slots: dict = {}  # a row's pool nodes -> their parents' tree slots (:meth:`_tree`)
-        self._fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
         self.typical_acceptance = (float(posterior_threshold), float(posterior_alpha)) if acceptance == "typical" \
             else None
 

@@ -65,6 +65,19 @@ class MTPProposer(Eagle3Proposer):
                 "so they are not used (the output is the target's either way).")
         super().__init__(drafter, num_speculative_tokens=num_speculative_tokens, adaptive=adaptive, **tree)
 
+    def _kv_shape(self) -> tuple[int, int] | None:
+        """The first module's block (a decoder layer of the target's family, layer index 0: what drafts at every
+        depth) over a :class:`~hf_specdec.cache.FixedDraftCache` under ``compile=True``, as EAGLE-3's layer."""
+        if not isinstance(self.drafter, MTPModule):
+            return None
+        config = self.drafter.config.block_text_config()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim
+
+    def _fixed_cache_for(self, state) -> None:
+        self.drafter.rotary_on(self.device)  # made outside the compiled regions
+        super()._fixed_cache_for(state)
+
     def _draft_forward(self, tokens, hidden, positions, mask, step: int, logits_to_keep: int = 0):
         # the first module, at every depth
         return self.drafter(tokens, hidden, positions, mask, self.cache, step=0, logits_to_keep=logits_to_keep)
