@@ -2,8 +2,9 @@
 
 Rows: plain greedy ``generate()`` eager and compiled by transformers (static cache + ``compile_config``), the
 speculative loop without drafts (one compiled one-token verification per step) and the methods drafting with a network
-(EAGLE-3, DFlash, MTP, Medusa, a draft model) with their shipped drafters, each eager and with ``compile=True``. A row's first call (compilation, calibration) is reported apart; then the mean
-over ``--reps`` rounds of the prompts. ``same`` checks every output against plain eager greedy decoding.
+(EAGLE-3, DFlash, MTP, Medusa, a draft model, LayerSkip) with their shipped drafters, each eager and with
+``compile=True``. A row's first call (compilation, calibration) is reported apart; then the mean over ``--reps`` rounds
+of the prompts. ``same`` checks every output against plain eager greedy decoding.
 
 Usage: python benchmarks/compile_cpu.py [--new 64] [--reps 2] [--threads 2] [--rows plain,dflash,dflash_compiled]
 """
@@ -28,7 +29,7 @@ TEXTS = [
 ]
 
 
-NETWORK = ("eagle3", "dflash", "mtp", "medusa", "assisted")  # the rows NAME and NAME_compiled
+NETWORK = ("eagle3", "dflash", "mtp", "medusa", "assisted", "layerskip")  # the rows NAME and NAME_compiled
 
 
 class NoDrafts(Proposer):

@@ -1,9 +1,10 @@
 """Fixed-shape regions of the step: compiled once per shape, and on a GPU replayed as one CUDA graph each.
 
-``compile=True`` runs the target's verification at bucket sizes (:mod:`hf_specdec.compiled`). A proposer that drafts
-at fixed shapes (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`: EAGLE-3, MTP, DFlash and draft
-models over a fixed drafter cache, Medusa's heads) hands its forwards to the runner as :class:`FixedShapeRegion` s, functions of tensors whose every
-shape is fixed by a few host integers (the batch size, a bucket, the tree's depth):
+``compile=True`` runs the target's verification at bucket sizes (:mod:`hf_specdec.compiled`). A proposer that drafts at
+fixed shapes (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`: EAGLE-3, MTP, DFlash and draft models over a
+fixed drafter cache, Medusa's heads, LayerSkip's steps over the target's cache) hands its forwards to the runner as
+:class:`FixedShapeRegion` s, functions of tensors whose every shape is fixed by a few host integers (the batch size, a
+bucket, the tree's depth):
 
 * the function goes through ``torch.compile(dynamic=False, fullgraph=True)``: one graph per input shape, no graph
   break (a host read or an unsupported call inside it is an error at the first call, not a silent slowdown);
@@ -153,6 +154,10 @@ class FixedShapeRegion:
             warmed.add(key)
             for size in sizes:
                 run(size)
+
+    def release(self, owner) -> None:
+        """Let go of the graphs recorded over ``owner``'s buffers (a call's own cache, at the call's end)."""
+        self.owners.pop(owner.graph_key(), None)
 
     def _owned(self, owner):
         """``owner``'s record in :attr:`owners` (made on first use); the least recently used beyond

@@ -98,10 +98,11 @@ def _eagle3(target):
 
 # the methods drafting at fixed shapes here, and the graphs each region compiles on the first call: EAGLE-3's feed at
 # 1, 2, 4, 8 and 16 rows and its tree at depth limits 1, 2 and 3; DFlash's block after 1..16 context rows; MTP's
-# feed and its chain of 1 and 2 drafts; a draft model's feed and its chain of 1, 2 and 3 (Medusa:
-# test_sampling_with_a_compiled_proposal)
+# feed and its chain of 1 and 2 drafts; a draft model's feed and its chain of 1, 2 and 3; LayerSkip's drafting step
+# (over the target's own cache: no drafter cache) (Medusa: test_sampling_with_a_compiled_proposal)
 FIXED = {"eagle3": {"_feed_region": 5, "_expand_fixed": 3}, "dflash_tree": {"_block_region": 5},
-         "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2}, "assisted": {"_feed_region": 5, "_chain_region": 3}}
+         "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2}, "assisted": {"_feed_region": 5, "_chain_region": 3},
+         "layerskip": {"_step_region": 1}}
 
 
 @pytest.mark.parametrize("name", list(FIXED))
@@ -138,14 +139,16 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
         assert out.speculative_stats["proposed_drafts"] > 0
         regions = {key[0].__name__: fn for key, fn in runner.compiled_fns.items() if isinstance(fn, FixedShapeRegion)}
         assert set(regions) == set(FIXED[name]) and all(r.calls for r in regions.values())
-        assert [type(kept[1]) for kept in runner.draft_buffers.values()] == [FixedDraftCache]
+        assert [type(kept[1]) for kept in runner.draft_buffers.values()] == \
+            ([] if name == "layerskip" else [FixedDraftCache])
         compiles.append({name: r.compiles for name, r in regions.items()})
         graphs.append(_graphs())
         if target.device.type == "cpu":  # from here on the graph path, a stand-in replaying on the CPU
             monkeypatch.setattr(FixedShapeRegion, "GRAPHED", ("cuda", "cpu"))
             monkeypatch.setattr(FixedShapeRegion, "GRAPH", _ReplayOnTheCpu)
     assert compiles[0] == compiles[1] == FIXED[name]
-    assert graphs[1] == graphs[0]
+    if name != "layerskip":  # its second call meets new paths of the loop's dynamic regions (a resumed verification
+        assert graphs[1] == graphs[0]  # of 1 node, a row accepting all): dynamo's 0/1 specialisation, once a process
     assert all(0 < r.captures <= FIXED[name][n] for n, r in regions.items())  # each shape used, captured once
     if name != "eagle3":  # MTP perturbs as EAGLE-3 in its regions, DFlash after its region as when eager
         return

@@ -32,7 +32,8 @@ from ..modeling.layerskip import ExitAdapter
 from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
-from ..tree import DraftTree, Resume, build_attention_mask
+from .._transformers import static_layer_length
+from ..tree import DraftTree, Resume, additive_mask, build_attention_mask
 from ..syncs import to_device
 from .base import Carried, Proposer, next_draft, rules_of
 from .hybrid import HYBRID
@@ -100,6 +101,44 @@ class LayerSkipProposer(Proposer):
 
     def network_parts(self) -> list:
         return [self]  # the target's first layers draft, with or without an adapter
+
+    # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
+    def draft_at_fixed_shapes(self, runner) -> bool:
+        """The plain exit drafts at fixed shapes under ``compile=True`` where the target's masks are one additive
+        tensor (no sliding-window layers, no flex attention) and its layers are on one device: each drafting step (the
+        early layers over the target's static cache and the exit's logits) is one region (:meth:`_step_region`), a
+        CUDA graph on a GPU, recorded over the call's cache (let go when the call ends)."""
+        if runner is None and self._fixed is not None and getattr(self, "_cache", None) is not None:
+            self._fixed.fixed(type(self)._step_region).release(self)
+            self._cache = None
+        ok = runner is not None and self.adapter is None and additive_mask(self.stack.config) \
+            and len({p.device for p in self.stack.model.parameters()}) == 1
+        self._fixed = runner if ok else None
+        return ok
+
+    def graph_key(self):
+        """What a CUDA graph of :meth:`_step_region` is recorded over (:mod:`hf_specdec.graphs`): the call's static
+        cache and the target."""
+        return self._cache, self.stack.model, self.exit_layer
+
+    def _step_region(self, current, valid, root_positions, start, column):
+        """One drafting step: token ``current [B]`` at cache column ``column [1]`` (position ``root_positions [B] +
+        column - start``) through layers ``0..E-1`` over the call's static cache, seeing the layout's columns (``valid
+        [B, W]``) and the chain's ``start [1]..column``; each early layer's write position set to ``column`` first, so
+        that every run writes the same. Returns the exit's hidden state ``[B, 1, H]`` and logits ``[B, V]`` (fp32)."""
+        stack = self.stack
+        for layer in self._cache.layers[:self.exit_layer]:
+            length = static_layer_length(layer)
+            length.copy_(column.view_as(length))
+        cols = torch.arange(valid.shape[1], device=valid.device)
+        sees = valid | ((cols >= start) & (cols <= column))
+        dtype = stack.model.dtype
+        mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)
+        positions = root_positions[:, None] + (column - start)
+        hidden = stack.embed(current[:, None])
+        hidden = stack.run(hidden, 0, self.exit_layer, mask[:, None, None], stack.rotary(hidden, positions), positions,
+                           self._cache)
+        return hidden, stack.logits(hidden)[:, -1]
 
     def prepare(self, model) -> None:
         DecoderStack.check(model)
@@ -207,6 +246,11 @@ class LayerSkipProposer(Proposer):
         ones = torch.ones(bsz, k, dtype=torch.bool, device=state.device)
         drafts, probs, exits = [], [], []
         current = roots
+        if self._fixed is not None:  # the chain's columns uploaded once; the layout's as wide as the cache
+            self._cache = cache
+            region = self._fixed.fixed(type(self)._step_region)
+            columns = to_device(list(range(layout.length, layout.length + k)), state.device)
+            valid = self._fixed.fused(_padded)(layout.valid, kv_width)
         reach, last = 1.0, 1.0  # P(every draft so far accepted); the last draft's confidence
         for j in range(k):
             if j > 0 and self.num_tokens is None:
@@ -220,16 +264,20 @@ class LayerSkipProposer(Proposer):
                     if reach * alpha < extra:
                         break
             t0 = time.perf_counter()
-            # token j of the chain (the root, then drafts) at column layout.length + j, after the chain so far
-            past_valid = torch.cat([layout.valid, ones[:, :j]], 1)
-            past_pos = torch.cat([layout.positions, state.root_positions[:, None] + torch.arange(j, device=state.device)], 1)
-            pos = state.root_positions[:, None] + j
-            mask = build_attention_mask(stack.config, past_valid, past_pos, pos, ones[:, :1, None],
-                                        state.model.dtype, kv_width=kv_width)
-            hidden = stack.embed(current[:, None])
-            hidden = stack.run(hidden, 0, self.exit_layer, mask, stack.rotary(hidden, pos), pos, cache)
+            if self._fixed is not None:
+                hidden, logits = region(self, current, valid, state.root_positions, columns[:1], columns[j:j + 1])
+            else:
+                # token j of the chain (the root, then drafts) at column layout.length + j, after the chain so far
+                past_valid = torch.cat([layout.valid, ones[:, :j]], 1)
+                past_pos = torch.cat([layout.positions,
+                                      state.root_positions[:, None] + torch.arange(j, device=state.device)], 1)
+                pos = state.root_positions[:, None] + j
+                mask = build_attention_mask(stack.config, past_valid, past_pos, pos, ones[:, :1, None],
+                                            state.model.dtype, kv_width=kv_width)
+                hidden = stack.embed(current[:, None])
+                hidden = stack.run(hidden, 0, self.exit_layer, mask, stack.rotary(hidden, pos), pos, cache)
+                logits = self._exit_logits(state, hidden, past_valid, past_pos, pos)
             exits.append(hidden)
-            logits = self._exit_logits(state, hidden, past_valid, past_pos, pos)
             current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
             if state.do_sample:
                 probs.append(p)
@@ -278,6 +326,11 @@ class LayerSkipProposer(Proposer):
     def on_compact(self, state, index) -> None:
         if self.adapter is not None:
             cache_ops.gather_columns(self.adapter_cache, index)
+
+
+def _padded(valid: torch.BoolTensor, width: int) -> torch.BoolTensor:
+    """``valid [B, T]`` padded with False to ``width`` columns."""
+    return torch.nn.functional.pad(valid, (0, width - valid.shape[1]))
 
 
 def load_adapter(source, target) -> ExitAdapter:
