@@ -168,8 +168,8 @@ class DraftModelProposer(Proposer):
         host read per draft) drafts at fixed shapes under ``compile=True``: its cache a
         :class:`~hf_specdec.cache.FixedDraftCache` of the target's static width (its columns mirror the target's, the
         root and the chain's drafts at the columns the target verifies them in) plus a scratch column; the new context
-        and the root fed at a bucket of rows (:meth:`_feed_region`), the whole chain one region per length
-        (:meth:`_chain_region`). Drafts come from the drafter's logits through the call's warpers (temperature, top-k,
+        and the root fed at a bucket of rows (:meth:`_feed_region`), the whole chain one region per bucket of lengths
+        (:meth:`_chain_region`, :meth:`_chain_length`). Drafts come from the drafter's logits through the call's warpers (temperature, top-k,
         top-p): other logits processors, which read each row's ids, are the target's rule alone there (exact either
         way)."""
         ok = runner is not None and self.confidence is None and additive_mask(self.drafter.config)
@@ -203,21 +203,26 @@ class DraftModelProposer(Proposer):
             logits = feed(self, *inputs)
         chain = self._fixed.fixed(type(self)._chain_region)
         seen, root_column, root_positions = inputs[3], inputs[2][n - 1:n], self._on(state.root_positions)
-        noise = state.noise(k).to(self.device) if state.coupling is not None else None
         # the call's warpers shape sampled and coupled drafts (greedy: none; other processors: the target's rule)
-        warpers = tuple(state.processors) if state.do_sample or noise is not None else ()
+        warpers = tuple(state.processors) if state.do_sample or state.coupling is not None else ()
 
         def draft(length):
-            extra = None if noise is None else state.noise(length).to(self.device)
-            return chain(self, logits, seen, root_column, root_positions, extra, warpers, state.do_sample, length)
+            noise = None if state.coupling is None else state.noise(length).to(self.device)
+            return chain(self, logits, seen, root_column, root_positions, noise, warpers, state.do_sample, length)
 
-        chain.warm(self, (state.coupling is None, state.do_sample, value_key(warpers)), range(1, self.max_tokens + 1),
-                   draft)
+        chain.warm(self, (state.coupling is None, state.do_sample, value_key(warpers)),
+                   sorted({self._chain_length(m) for m in range(1, self.max_tokens + 1)}), draft)
         t0 = time.perf_counter()
-        out = chain(self, logits, seen, root_column, root_positions, noise, warpers, state.do_sample, k)
-        if k > 1:
-            self.token_seconds.add((time.perf_counter() - t0) / (k - 1))
-        return out
+        length = self._chain_length(k)
+        drafts, probs = draft(length)
+        if length > 1:
+            self.token_seconds.add((time.perf_counter() - t0) / (length - 1))
+        return drafts[:, :k], probs[:, :k] if probs is not None else None
+
+    def _chain_length(self, k: int) -> int:
+        """The chain drafted for ``k`` drafts at fixed shapes: ``k`` rounded up to a bucket (1, 2, 4, 8, 16, at most
+        ``max_tokens``), the drafts past ``k`` dropped: a few graphs for every length the adaptive rule may choose."""
+        return min(bucket_size(k), self.max_tokens)
 
     def _scratch_feed(self, inputs, rows: int):
         """Feed inputs of ``rows`` rows shaped as ``inputs`` that only write into the scratch column and see nothing

@@ -424,13 +424,20 @@ class Eagle3Proposer(FeatureDrafterProposer):
         verification (``reach``: the proposal's one host read)."""
         counts = state.budgets(drafts.shape[1])
         if reach is not None:  # verify only the drafts that pay for their verification (the measured costs)
-            reach_rows = reach.tolist()  # [B][k]: the proposal's one host read
-            self._judge_depths(state, reach_rows)
-            counts = self._cut_chains(state, reach_rows, counts)
-            if not any(counts):
+            counts = self._paying_chains(state, reach.tolist(), counts)  # [B][k]: the proposal's one host read
+            if counts is None:
                 return None
         return DraftTree.chain(state.roots(), drafts.to(state.device), counts,
                                probs.to(state.device) if probs is not None else None)
+
+    @host_side
+    def _paying_chains(self, state, reach_rows: list, counts: list[int]) -> list[int] | None:
+        """:meth:`_chain_tree`'s host side (never traced: a compiled caller would guard on the floats): the rows'
+        drafts that pay (``reach_rows``: host floats, the drafter's chance that each draft and those before it are
+        accepted), ``None`` when no row keeps one."""
+        self._judge_depths(state, reach_rows)
+        counts = self._cut_chains(state, reach_rows, counts)
+        return counts if any(counts) else None
 
     def _tree(self, state, logits, hidden):
         """EAGLE-2 dynamic tree, expanded for every row of the batch at once, with tensor operations only.

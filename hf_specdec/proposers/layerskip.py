@@ -34,7 +34,7 @@ from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
 from .._transformers import static_layer_length
 from ..tree import DraftTree, Resume, additive_mask, build_attention_mask
-from ..syncs import to_device
+from ..syncs import host_side, to_device
 from .base import Carried, Proposer, next_draft, rules_of
 from .hybrid import HYBRID
 
@@ -225,19 +225,42 @@ class LayerSkipProposer(Proposer):
         logits[:, self.adapter.token_map.to(sub.device)] = sub  # tokens outside the draft vocabulary are never drafted
         return logits.to(state.device)
 
+    @host_side
+    def _plan(self, state) -> int:
+        """The proposal's host decisions before drafting (never traced: a compiled proposal would guard on the measured
+        floats and make a graph a step): the chain's longest length ``k``, and what the adaptive stop
+        (:meth:`_stops`) reads, kept on the proposer."""
+        top = state.deepest(self.max_tokens)
+        self._resumed = _ResumedCost(state.cost_model, self.early_share)
+        self._step_cost = self._draft_cost(state)
+        self._alpha = self.estimator.alpha("all")
+        self._reach, self._last = 1.0, 1.0  # P(every draft so far accepted); the last draft's confidence
+        want = best_draft_length(self._alpha, top, self._resumed, draft_cost=self._step_cost) \
+            if self.num_tokens is None else top
+        return min(want, top)
+
+    @host_side
+    def _stops(self, j: int) -> bool:
+        """Whether the adaptive chain stops before draft ``j``: Kangaroo's second exit (the last draft was not confident
+        enough), else unless the chance that draft ``j`` is reached and accepted covers its drafting step and the
+        longer verification (the measured costs)."""
+        if self.confidence is not None:
+            return self._last < self.confidence
+        extra = self._step_cost + self._resumed.relative(j + 2) - self._resumed.relative(j + 1)
+        return self._reach * self._alpha < extra
+
+    @host_side
+    def _note_confidence(self, probs: torch.Tensor, tokens: torch.LongTensor) -> None:
+        """The adaptive stop's read of the best row's confidence in its draft (rows draft in lockstep)."""
+        self._last = float(probs.gather(1, tokens[:, None]).max())
+        self._reach *= self._last
+
     def propose(self, state):
         bsz = state.batch_size
-        budgets, top = state.budgets(self.max_tokens), state.deepest(self.max_tokens)
-        resumed = _ResumedCost(state.cost_model, self.early_share)
-        draft_cost = self._draft_cost(state)
-        alpha = self.estimator.alpha("all")
-        if self.num_tokens is None:
-            want = best_draft_length(alpha, top, resumed, draft_cost=draft_cost)
-        else:
-            want = top
-        k = min(want, top)
+        k = self._plan(state)
         if k <= 0:
             return None
+        budgets = state.budgets(self.max_tokens)
         layout, cache, stack = state.layout, state.cache, self.stack
         kv_width = cache.get_max_length() if cache_ops.is_static(cache) else None
         roots = state.roots()
@@ -251,18 +274,9 @@ class LayerSkipProposer(Proposer):
             region = self._fixed.fixed(type(self)._step_region)
             columns = to_device(list(range(layout.length, layout.length + k)), state.device)
             valid = self._fixed.fused(_padded)(layout.valid, kv_width)
-        reach, last = 1.0, 1.0  # P(every draft so far accepted); the last draft's confidence
         for j in range(k):
-            if j > 0 and self.num_tokens is None:
-                if self.confidence is not None:  # Kangaroo's second exit: the last draft was not confident enough
-                    if last < self.confidence:
-                        break
-                else:
-                    # one more draft pays when the chance that it is reached and accepted covers its drafting step
-                    # and the longer verification (the measured costs)
-                    extra = draft_cost + resumed.relative(j + 2) - resumed.relative(j + 1)
-                    if reach * alpha < extra:
-                        break
+            if j > 0 and self.num_tokens is None and self._stops(j):
+                break
             t0 = time.perf_counter()
             if self._fixed is not None:
                 hidden, logits = region(self, current, valid, state.root_positions, columns[:1], columns[j:j + 1])
@@ -281,9 +295,8 @@ class LayerSkipProposer(Proposer):
             current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
             if state.do_sample:
                 probs.append(p)
-            if self.num_tokens is None:  # the adaptive stop reads the best row's confidence in its draft:
-                last = float(p.gather(1, current[:, None]).max())  # rows draft in lockstep; a fixed length reads none
-                reach *= last
+            if self.num_tokens is None:  # a fixed length reads none
+                self._note_confidence(p, current)
             drafts.append(current)
             self.step_times.add(time.perf_counter() - t0)
         k = len(drafts)
