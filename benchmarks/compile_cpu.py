@@ -29,7 +29,10 @@ TEXTS = [
 ]
 
 
-NETWORK = ("eagle3", "dflash", "mtp", "medusa", "assisted", "layerskip")  # the rows NAME and NAME_compiled
+# the rows NAME and NAME_compiled: method and options (layerskip: the shipped exit adapter; layerskip_plain: without)
+NETWORK = {"eagle3": ("eagle3", {}), "dflash": ("dflash", {}), "mtp": ("mtp", {}), "medusa": ("medusa", {}),
+           "assisted": ("assisted", {}), "layerskip": ("layerskip", {}),
+           "layerskip_plain": ("layerskip", {"exit": "plain"})}
 
 
 class NoDrafts(Proposer):
@@ -65,9 +68,9 @@ def main():
         "loop": dict(custom_generate=hf_specdec.decoding_method(NoDrafts())),
         "loop_compiled": dict(custom_generate=hf_specdec.decoding_method(NoDrafts(), compile=True)),
     }
-    for method in NETWORK:  # each with its shipped drafter, eager and compiled
-        rows[method] = dict(custom_generate=hf_specdec.decoding_method(method))
-        rows[f"{method}_compiled"] = dict(custom_generate=hf_specdec.decoding_method(method, compile=True))
+    for row, (method, options) in NETWORK.items():  # each with its shipped drafter, eager and compiled
+        rows[row] = dict(custom_generate=hf_specdec.decoding_method(method, **options))
+        rows[f"{row}_compiled"] = dict(custom_generate=hf_specdec.decoding_method(method, compile=True, **options))
     with torch.no_grad():
         refs = [model.generate(**enc, **kw) for enc in encs]
         base = None

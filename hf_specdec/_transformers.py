@@ -191,3 +191,21 @@ def run_assisted_decoding(model, candidate_generator, input_ids, logits_processo
     finally:
         if not had_own:
             del model._get_candidate_generator
+
+
+def capture_off():
+    """Switch transformers' output capturing off (its hooks on a model's layers, installed once a call asked for
+    hidden states, read a ``ContextVar`` that dynamo cannot trace): the token for :func:`capture_restore`. Inside
+    compiled code it sets the collector's compile-time global (as a compiled model forward does), outside it the context
+    variable. For layers run outside the model's forward (:class:`~hf_specdec.stack.DecoderStack` in a fixed-shape
+    region). Checked: 5.24.0, 5.25.0 (``transformers.utils.output_capturing._active_collector``)."""
+    from transformers.utils import output_capturing
+
+    return output_capturing._active_collector.set(None)
+
+
+def capture_restore(token) -> None:
+    """Undo :func:`capture_off`. Checked: 5.24.0, 5.25.0."""
+    from transformers.utils import output_capturing
+
+    output_capturing._active_collector.reset(token)

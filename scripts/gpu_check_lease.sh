@@ -5,8 +5,8 @@
 #   scripts/gpu_check_lease.sh pack    here: transformers 5.24's wheel and hf_specdec's (without the shipped drafters)
 #                                      into .gpu51/ (git ignores it locally), about 12 MiB
 #   scripts/gpu_check_lease.sh run     there (carry .gpu51): installs both into /tmp/site, then within BUDGET_S seconds
-#                                      (default 480) `pytest --device cuda` on the losslessness tests (EAGLE-3's and
-#                                      Medusa's CUDA graphs included) and `benchmarks/gpu.py --compile both`; logs,
+#                                      (default 480) `pytest --device cuda` on the losslessness tests (every
+#                                      fixed-shape drafter's CUDA graphs included) and `benchmarks/gpu.py --compile both`; logs,
 #                                      gpu_bench.json and gpu_bench.md to $OUT
 #
 # Move the shipped drafters (hf_specdec/drafters/*/model.safetensors) out of the tree for the call: they travel as

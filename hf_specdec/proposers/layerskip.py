@@ -32,7 +32,7 @@ from ..modeling.layerskip import ExitAdapter
 from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..stack import DecoderStack
-from .._transformers import static_layer_length
+from .._transformers import capture_off, capture_restore, static_layer_length
 from ..tree import DraftTree, Resume, additive_mask, build_attention_mask
 from ..syncs import host_side, to_device
 from .base import Carried, Proposer, next_draft, rules_of
@@ -136,8 +136,10 @@ class LayerSkipProposer(Proposer):
         mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)
         positions = root_positions[:, None] + (column - start)
         hidden = stack.embed(current[:, None])
+        token = capture_off()  # the target's output-capturing hooks, if a call installed them: nothing to capture here
         hidden = stack.run(hidden, 0, self.exit_layer, mask[:, None, None], stack.rotary(hidden, positions), positions,
                            self._cache)
+        capture_restore(token)
         return hidden, stack.logits(hidden)[:, -1]
 
     def prepare(self, model) -> None:
