@@ -73,7 +73,7 @@ def test_bench_end_to_end(tmp_path):
     tok = _chat_tokenizer(40)
     drafter = tiny_model("llama", seed=4)
     methods = build_methods(["prompt_lookup", "hf_prompt_lookup:3", "oracle:2", "assisted", "hf_assisted"], drafter)
-    result = run_bench(model, tok, methods, ["gsm8k", "copy"], limit=2, max_new_tokens=8, batch_size=1,
+    result = run_bench(model, tok, methods, ["gsm8k", "copy"], limit=1, max_new_tokens=8, batch_size=1,
                        drafter=drafter, out=str(tmp_path), memory_check=2, progress=False)
     assert result["schema"] == "hf_specdec.bench/1"
     names = {r["method"] for r in result["summary"]}
