@@ -146,6 +146,7 @@ def test_compiled_rows(gpu, tmp_path, monkeypatch):
     assert row["warmup_seconds"] > 0 and row["launches_per_step"] > 0
 
 
+@pytest.mark.extended  # the default suite is at its 10-minute limit
 def test_batches(gpu, tmp_path):
     """--batch 1,3: a row per method and size, each size over stock at that size, every row the target's greedy
     output for its batch (the replay keeps tau 3 in every row of the batch)."""
