@@ -171,9 +171,12 @@ def to_mask(allowed: torch.BoolTensor, fmt: str, dtype: torch.dtype):
     masked) or a ``BlockMask``."""
     if fmt == BLOCK:
         return block_mask(allowed)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return additive(allowed, dtype)[:, None]
+
+
+def additive(allowed: torch.BoolTensor, dtype: torch.dtype) -> torch.Tensor:
+    """``allowed`` (any shape) as an additive float mask: 0 where True, ``finfo(dtype).min`` elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def mask_rows(mask, start: int):

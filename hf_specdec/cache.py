@@ -48,6 +48,12 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
 
 
 
+def kv_shape(config) -> tuple[int, int]:
+    """``(key/value heads, head dim)`` of a transformers text config's attention layers."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class FixedDraftCache:
     """A drafter's KV cache at a fixed width, for drafting at fixed shapes (:mod:`hf_specdec.graphs`): per layer
     ``keys, values [B, heads, width, head_dim]``, allocated before the first forward and kept for later calls of the

@@ -64,12 +64,23 @@ def _limits():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=8 * RECOMPILE_LIMIT)
 
 
+FEED_BUCKETS_UP_TO = 16  # a drafter's context feed of more rows (the prompt, a backlog) runs eagerly at its own width
+
+
+def feed_rows(rows: int) -> int:
+    """The rows a drafter's fixed-shape context feed of ``rows`` runs at: a bucket, or ``rows`` past the buckets."""
+    return bucket_size(rows) if rows <= FEED_BUCKETS_UP_TO else rows
+
+
 def bucket_size(nodes: int) -> int:
     """The number of nodes a compiled verification of ``nodes`` runs at (``nodes`` rounded up to a bucket)."""
     for size in BUCKETS:
         if nodes <= size:
             return size
     return -(-nodes // BUCKETS[-1]) * BUCKETS[-1]
+
+
+FEED_SIZES = tuple(sorted({bucket_size(n) for n in range(1, FEED_BUCKETS_UP_TO + 1)}))  # compiled on first use
 
 
 class CompiledSession(TargetSession):

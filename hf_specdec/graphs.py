@@ -21,8 +21,8 @@ The function must be idempotent in what it writes outside its outputs: a region 
 buffers are reached through the first argument (the owner, e.g. the proposer), never copied: their addresses are
 baked into the graph, and the key holds the owner's ``graph_key()`` (its buffers and modules themselves, not the
 owner: a later call's new proposer over the same buffers replays the same graphs), so new buffers are a new graph,
-and buffers live as long as graphs recorded over them. ``compiles`` counts the graphs compiled, ``captures`` the CUDA graphs recorded, ``calls`` the calls (tests
-and benchmarks read them).
+and buffers live as long as graphs recorded over them. ``compiles`` counts the graphs compiled, ``captures`` the CUDA
+graphs recorded, ``calls`` the calls (tests and benchmarks read them).
 """
 
 from __future__ import annotations

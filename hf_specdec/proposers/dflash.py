@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from .. import cache as cache_ops
 from ..conversions.common import load_converted_or_published
 from ..conversions.dflash import LAYOUTS, NATIVE_DRAFTERS, as_dflash_drafter, convert_dflash, export_dflash
-from ..compiled import bucket_size
+from ..attention import additive
+from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, feed_rows
 from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
@@ -95,13 +96,11 @@ class DFlashProposer(FeatureDrafterProposer):
                 ok = allowed(kind[0])
                 if kind[1]:
                     ok = ok & ((q_pos[:, :, None] - key_pos[:, None, :]).abs() < cfg.sliding_window)
-                made[kind] = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(
-                    ~ok, torch.finfo(self.dtype).min)[:, None]
+                made[kind] = additive(ok, self.dtype)[:, None]
             masks.append(made[kind])
         return masks
 
     # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
-    FEED_BUCKETS_UP_TO = 16  # more new context columns (the prompt, a backlog) are fed eagerly at their own width
 
     def draft_at_fixed_shapes(self, runner) -> bool:
         """A :class:`DFlashDrafter` drafts at fixed shapes under ``compile=True``: its cache a
@@ -128,17 +127,17 @@ class DFlashProposer(FeatureDrafterProposer):
                                                       len(self.drafter.layers))
         layout = state.layout
         n = layout.length - self.synced
-        rows = bucket_size(n) if n <= self.FEED_BUCKETS_UP_TO else n
+        rows = feed_rows(n)
         inputs = self._fixed.fused(_fixed_block_inputs)(
             self._on(layout.valid), self._on(layout.positions), self.features, self._on(state.roots()),
             self._on(state.root_positions), self.synced, rows, self._block_base, self.block_size,
             self.drafter.config.mask_token_id)
         width = min(self.block_size - 1, self.tree_budget or self.block_size)
-        if n > self.FEED_BUCKETS_UP_TO:
+        if n > FEED_BUCKETS_UP_TO:
             logits = self._block_region(*inputs, width)
         else:
             region = self._fixed.fixed(type(self)._block_region)
-            region.warm(self, "blocks", sorted({bucket_size(m) for m in range(1, self.FEED_BUCKETS_UP_TO + 1)}),
+            region.warm(self, "blocks", FEED_SIZES,
                         lambda size: region(self, *self._scratch_block(inputs, size), width))
             logits = region(self, *inputs, width)
         self.synced = layout.length
@@ -149,7 +148,8 @@ class DFlashProposer(FeatureDrafterProposer):
         columns and see nothing else (to compile a bucket size before its first use)."""
         features, ctx_pos, columns, seen, key_pos, block, block_pos = inputs
         size = block.shape[1]
-        return (features.new_zeros(features.shape[0], rows, features.shape[2]), ctx_pos.new_zeros(ctx_pos.shape[0], rows),
+        return (features.new_zeros(features.shape[0], rows, features.shape[2]),
+                ctx_pos.new_zeros(ctx_pos.shape[0], rows),
                 torch.cat([columns.new_full((rows,), self._block_base - 1), columns[-size:]]), torch.zeros_like(seen),
                 torch.zeros_like(key_pos), torch.zeros_like(block), torch.zeros_like(block_pos))
 

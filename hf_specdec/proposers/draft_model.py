@@ -10,7 +10,8 @@ from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from .. import identity
-from ..compiled import bucket_size
+from ..attention import additive
+from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, bucket_size, feed_rows
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..draft_models import VOCAB_KEY, load_draft_model
@@ -161,7 +162,6 @@ class DraftModelProposer(Proposer):
         return logits
 
     # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
-    FEED_BUCKETS_UP_TO = 16  # more new context columns (the prompt, a backlog) are fed eagerly at their own width
 
     def draft_at_fixed_shapes(self, runner) -> bool:
         """A draft model with one additive attention mask (no sliding-window layers) and no ``confidence`` rule (a
@@ -169,9 +169,9 @@ class DraftModelProposer(Proposer):
         :class:`~hf_specdec.cache.FixedDraftCache` of the target's static width (its columns mirror the target's, the
         root and the chain's drafts at the columns the target verifies them in) plus a scratch column; the new context
         and the root fed at a bucket of rows (:meth:`_feed_region`), the whole chain one region per bucket of lengths
-        (:meth:`_chain_region`, :meth:`_chain_length`). Drafts come from the drafter's logits through the call's warpers (temperature, top-k,
-        top-p): other logits processors, which read each row's ids, are the target's rule alone there (exact either
-        way)."""
+        (:meth:`_chain_region`, :meth:`_chain_length`). Drafts come from the drafter's logits through the call's
+        warpers (temperature, top-k, top-p): other logits processors, which read each row's ids, are the target's rule
+        alone there (exact either way)."""
         ok = runner is not None and self.confidence is None and additive_mask(self.drafter.config)
         self._fixed = runner if ok else None
         return ok
@@ -185,20 +185,18 @@ class DraftModelProposer(Proposer):
         """:meth:`propose`'s drafting at fixed shapes: ``(drafts [B, k], probs [B, k, V] or None)``."""
         if not isinstance(self.cache, cache_ops.FixedDraftCache):
             cfg = self.drafter.config.get_text_config()
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            self._take_fixed_cache(state, 0, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                                   head_dim, cfg.num_hidden_layers)
+            self._take_fixed_cache(state, 0, *cache_ops.kv_shape(cfg), cfg.num_hidden_layers)
         layout = state.layout
         n = layout.length + 1 - self.synced  # the new context columns and the root
-        rows = bucket_size(n) if n <= self.FEED_BUCKETS_UP_TO else n
+        rows = feed_rows(n)
         inputs = self._fixed.fused(_fixed_feed_inputs)(
             self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), self._on(state.roots()),
             self._on(state.root_positions), self.synced, rows, self.cache.width)
-        if n > self.FEED_BUCKETS_UP_TO:
+        if n > FEED_BUCKETS_UP_TO:
             logits = self._feed_region(*inputs)
         else:
             feed = self._fixed.fixed(type(self)._feed_region)
-            feed.warm(self, "feeds", sorted({bucket_size(m) for m in range(1, self.FEED_BUCKETS_UP_TO + 1)}),
+            feed.warm(self, "feeds", FEED_SIZES,
                       lambda size: feed(self, *self._scratch_feed(inputs, size)))
             logits = feed(self, *inputs)
         chain = self._fixed.fixed(type(self)._chain_region)
@@ -238,7 +236,7 @@ class DraftModelProposer(Proposer):
         cols = torch.arange(seen.shape[1], device=seen.device)
         sees = ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])  # [B, n, width]
         self.cache.at = columns
-        return self._logits(tokens, positions, self._additive(sees)[:, None], root)
+        return self._logits(tokens, positions, additive(sees, self.dtype)[:, None], root)
 
     def _chain_region(self, logits, seen, root_column, root_positions, noise, warpers, sample: bool, k: int):
         """The chain of ``k`` from the root's ``logits [B, V]``: each draft drawn (``sample``) or the argmax of the
@@ -264,12 +262,8 @@ class DraftModelProposer(Proposer):
             seen = seen | (cols == column)
             self.cache.at = column
             logits = self._logits(token[:, None], (root_positions + 1 + i)[:, None],
-                                  self._additive(seen)[:, None, None], 1)
+                                  additive(seen, self.dtype)[:, None, None], 1)
         return torch.stack(drafts, dim=1), torch.stack(probs, dim=1) if probs else None
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill_(
-            ~allowed, torch.finfo(self.dtype).min)
 
     def propose(self, state):
         bsz = state.batch_size

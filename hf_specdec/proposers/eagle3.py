@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
-from ..compiled import bucket_size
+from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, feed_rows
 from ..coupling import apply_warpers
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3, export_eagle3
 from ..default_model import MODEL_ID as SMOLLM2
@@ -86,7 +86,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`; (k, device, dtype) -> :meth:`_own`
 
     # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
-    FEED_BUCKETS_UP_TO = 16  # a context feed of more columns (the prompt, a backlog) runs eagerly at its own width
 
     def draft_at_fixed_shapes(self, runner) -> bool:
         """An :class:`Eagle3Drafter` drafts at fixed shapes under ``compile=True``: the drafter's cache a
@@ -125,15 +124,15 @@ class Eagle3Proposer(FeatureDrafterProposer):
         rows' ``(logits, hidden)`` and ``seen [B, width]``, which cache columns hold the context."""
         layout = state.layout
         n = layout.length - self.synced
-        rows = bucket_size(n) if n <= self.FEED_BUCKETS_UP_TO else n
+        rows = feed_rows(n)
         inputs = self._fixed.fused(_fixed_feed_inputs)(
             self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), self.features,
             self._on(state.roots()), self.synced, rows, self._tree_base - 1, self.cache.width)
-        if n > self.FEED_BUCKETS_UP_TO:
+        if n > FEED_BUCKETS_UP_TO:
             logits, hidden = self._feed_region(*inputs)
         else:
             region = self._fixed.fixed(type(self)._feed_region)
-            region.warm(self, "feeds", sorted({bucket_size(m) for m in range(1, self.FEED_BUCKETS_UP_TO + 1)}),
+            region.warm(self, "feeds", FEED_SIZES,
                         lambda size: region(self, *self._scratch_feed(inputs, size)))
             logits, hidden = region(self, *inputs)
         self.synced = layout.length

@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
+from ..attention import additive
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.layerskip import ExitAdapter
@@ -132,8 +133,7 @@ class LayerSkipProposer(Proposer):
             length.copy_(column.view_as(length))
         cols = torch.arange(valid.shape[1], device=valid.device)
         sees = valid | ((cols >= start) & (cols <= column))
-        dtype = stack.model.dtype
-        mask = torch.zeros(sees.shape, dtype=dtype, device=sees.device).masked_fill_(~sees, torch.finfo(dtype).min)
+        mask = additive(sees, stack.model.dtype)
         positions = root_positions[:, None] + (column - start)
         hidden = stack.embed(current[:, None])
         token = capture_off()  # the target's output-capturing hooks, if a call installed them: nothing to capture here

@@ -30,6 +30,7 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
+from .. import cache as cache_ops
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.mtp import LAYOUTS, MTPModule, ParallelMTPHeads
 from ..placement import drafter_device
@@ -70,9 +71,7 @@ class MTPProposer(Eagle3Proposer):
         depth) over a :class:`~hf_specdec.cache.FixedDraftCache` under ``compile=True``, as EAGLE-3's layer."""
         if not isinstance(self.drafter, MTPModule):
             return None
-        config = self.drafter.config.block_text_config()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim
+        return cache_ops.kv_shape(self.drafter.config.block_text_config())
 
     def _fixed_cache_for(self, state) -> None:
         self.drafter.rotary_on(self.device)  # made outside the compiled regions
