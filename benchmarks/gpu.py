@@ -61,6 +61,9 @@ calls after an untimed warm-up; medians; ``tok/s`` counts every row's tokens):
   untimed call: each operation that does work outside a compiled region one, each compiled region, a graph replay on
   a GPU, one; the stock rows have no step ranges, so theirs is the whole call over its forwards, prefill included).
 * ``warm-up s``: the untimed first call of the row (where ``compile=true`` and ``stock_compiled`` compile and capture).
+* ``graphs recorded (timed)``: CUDA graphs recorded during the timed calls
+  (:func:`hf_specdec.graphs.counting_captures`): 0 where the warm-up's graphs, and the static caches they were
+  recorded over, are kept and replayed.
 * ``speedup``: stock ``generate()``'s time per decoded token over the method's (first forward excluded from both);
   ``over stock_compiled``: the same against ``stock_compiled``.
 * ``ideal``: the speedup the method's forwards would give with no drafting and no overhead:
@@ -94,6 +97,7 @@ from pathlib import Path
 import torch
 
 from hf_specdec.bench.probes import ForwardProbe
+from hf_specdec.graphs import counting_captures
 
 SCHEMA = "hf_specdec.gpu_bench/1"
 METHODS = ("eagle3", "medusa", "mtp", "dflash", "assisted", "prompt_lookup", "suffix", "lookahead",
@@ -449,7 +453,8 @@ _COLUMNS = (("method", "method", ""), ("τ", "tau", ".2f"), ("verify size", "ver
             ("launches/step", "launches_per_step", ".0f"), ("tok/s", "tokens_per_s", ".1f"),
             ("speedup", "speedup", ".2fx"), ("over stock_compiled", "speedup_vs_compiled", ".2fx"),
             ("ideal", "ideal_speedup", ".2fx"), ("efficiency", "efficiency", ".2f"),
-            ("warm-up s", "warmup_seconds", ".1f"), ("identical", "identical", ""))
+            ("warm-up s", "warmup_seconds", ".1f"), ("graphs recorded (timed)", "graphs_recorded_timed", ""),
+            ("identical", "identical", ""))
 
 
 def _cell(value, fmt: str) -> str:
@@ -670,11 +675,13 @@ def main(argv=None) -> int:
                     with torch.no_grad():
                         warm = runner.run(name, tau)  # untimed: compiles, calibrates the forward costs, fills caches
                         syncs = runner.count_syncs(name, tau)
-                        timed = [runner.run(name, tau) for _ in range(args.reps)]
+                        with counting_captures() as recorded:  # none, once warm: graphs and caches kept
+                            timed = [runner.run(name, tau) for _ in range(args.reps)]
                     row = summarize(name, tau, timed, args.prompt_len)
                     row.update({k: v for k, v in syncs.items() if k != "steps"})
                     row["batch"] = batch
                     row["warmup_seconds"] = warm["wall"]  # the untimed first call: compilation, graph capture
+                    row["graphs_recorded_timed"] = recorded[0]
                     expected = reference[:, : args.prompt_len + args.new_tokens[tau]]
                     row["identical"] = all(torch.equal(r["sequences"], expected) for r in [warm, *timed])
                     rows.append(row)

@@ -32,13 +32,7 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
     the longest call, as transformers' ``generation_config.max_cache_len``) keeps its length: the same shapes from
     call to call for a compiled forward. What ``cache`` holds is not copied (:func:`copy_columns` does that).
     """
-    # sliding-window layers are replaced by full ones below, so only the layer kinds matter here
-    if cache is not None and not all(type(layer).__name__ in _EDITABLE for layer in cache.layers):
-        kinds = sorted({type(layer).__name__ for layer in cache.layers})
-        raise UnsupportedCacheError(
-            f"Speculative decoding needs a KV cache whose rejected rows can be cut back, got {type(cache).__name__}"
-            f" with layers {kinds}. Use the default dynamic cache or cache_implementation='static'."
-        )
+    check_editable(cache)
     if isinstance(cache, StaticCache):
         capacity = max(capacity, cache.get_max_length() if cache.layers else 0)
         new = StaticCache(config=model.config, max_cache_len=capacity)
@@ -46,6 +40,35 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
         return new
     return DynamicCache()
 
+
+
+def check_editable(cache: Cache | None) -> None:
+    """Raise :class:`UnsupportedCacheError` for a cache whose layers the loop cannot cut back (sliding-window layers
+    are replaced by full ones in the loop's cache, so only the layer kinds matter)."""
+    if cache is not None and not all(type(layer).__name__ in _EDITABLE for layer in cache.layers):
+        kinds = sorted({type(layer).__name__ for layer in cache.layers})
+        raise UnsupportedCacheError(
+            f"Speculative decoding needs a KV cache whose rejected rows can be cut back, got {type(cache).__name__}"
+            f" with layers {kinds}. Use the default dynamic cache or cache_implementation='static'."
+        )
+
+
+def emptied(cache: StaticCache) -> StaticCache:
+    """A static cache of an earlier call as a fresh one would be, in place (its tensors keep their addresses): no
+    column held, every column zeroed."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", False):
+            set_static_layer_length(layer, 0)
+            layer.keys.zero_()
+            layer.values.zero_()
+    return cache
+
+
+def copied(model, cache: StaticCache) -> StaticCache:
+    """A new static cache for ``model`` of ``cache``'s length holding its columns (in tensors of its own)."""
+    new = new_cache_like(model, cache, capacity=cache.get_max_length())
+    copy_columns(cache, new, cache_length(cache))
+    return new
 
 
 def kv_shape(config) -> tuple[int, int]:

@@ -4,9 +4,10 @@ A compiled forward (and on a GPU its CUDA graph) holds for one set of input shap
 change size every step and a dynamic cache grows by a column per token. So, with the ``compile`` option
 (``compile=True``, the loop's option of every method), the call runs through :class:`CompiledRunner`:
 
-* the target's cache is a static one (``cache_implementation="static"`` semantics: the loop asks the runner for its
-  kind, :meth:`CompiledRunner.cache_for_call`), whose length is kept across calls (the longest so far, at least
-  :attr:`CompiledRunner.MIN_CACHE`) so that a new prompt length is not a new shape;
+* the target's cache is a static one (``cache_implementation="static"`` semantics), kept by the runner for later
+  calls of the same batch size (:meth:`CompiledRunner.loop_cache`: the same tensors, emptied, so the graphs recorded
+  over them replay), whose length is the longest so far (at least :attr:`CompiledRunner.MIN_CACHE`) so that a new
+  prompt length is not a new shape;
 * every verification forward of ``q`` tree nodes runs at ``bucket_size(q)`` nodes: 1, 2, 4, 8, 16,
   32, 64, then multiples of 64. The padding nodes repeat the root (its token, position and mask row): no tree node
   sees them (their cache columns lie after the tree's, masked in every real row, and the loop's crop / keep of the
@@ -51,6 +52,7 @@ from ._transformers import static_layer_length
 from .attention import TENSOR, tree_mask_format
 from .dtypes import HALF
 from .graphs import FixedShapeRegion, dense
+from .placement import drafter_device
 from .runners import TargetRunner, TargetSession, device_type_of, logger
 from .tree import tree_inputs
 
@@ -93,7 +95,6 @@ class CompiledSession(TargetSession):
                 f"compile=True verifies at fixed shapes over a static KV cache, got a {type(self.cache).__name__}. "
                 "Give the option to generate() / decoding_method(), which hands the loop a static cache, or pass "
                 "cache_implementation='static'.")
-        self.runner.note_cache_length(self.kv_width)
         self.cuda = device_type_of(self.model) == "cuda"
         self._past: int | None = None  # cached columns before the next forward's (set by verify)
         self._parts: list | None = None  # the proposers whose propose runs compiled for the call
@@ -256,6 +257,7 @@ class CompiledRunner(TargetRunner):
     backend = "inductor"  # torch.compile's backend ("eager" in tests: dynamo's graphs and guards, no code generation)
     MIN_CACHE = 512  # static cache columns of the first call at least (prompt + new tokens + a tree, rounded up)
     CACHE_STEP = 256  # a longer call's cache length is rounded up to a multiple of this for the calls after it
+    KEPT_CACHES = 4  # the static caches kept for later calls (one per batch size, the most recently used)
 
     def __init__(self, model):
         super().__init__(model)
@@ -263,6 +265,7 @@ class CompiledRunner(TargetRunner):
         self.mode = "reduce-overhead" if device_type_of(model) == "cuda" and self.backend == "inductor" else None
         self.compiled = torch.compile(model.forward, backend=self.backend, mode=self.mode, dynamic=False)
         self.cache_length = self.MIN_CACHE
+        self.caches: dict = {}  # (batch size, length, dtype, device) -> the static cache kept for later calls
         self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
         self.compiled_fns: dict = {}  # a function of the step (or a proposer's propose) -> its compiled self
         # drafter -> (shape, the FixedDraftCache EAGLE-3 drafts over), kept for later calls, which replay its graphs
@@ -297,16 +300,30 @@ class CompiledRunner(TargetRunner):
             self.compiled_fns[key] = FixedShapeRegion(fn, backend=self.backend, limits=_limits)
         return self.compiled_fns[key]
 
-    def cache_for_call(self, cache):
-        """An empty static cache at least as long as every earlier call's (the loop sizes the one it runs with from
-        it, :func:`hf_specdec.cache.new_cache_like`): the same length call after call, so the same shapes."""
-        given = cache.get_max_length() if isinstance(cache, StaticCache) and cache.layers else 0
-        return StaticCache(config=self.model.config, max_cache_len=max(self.cache_length, given or 0))
-
-    def note_cache_length(self, length: int) -> None:
-        """A call ran with a static cache of ``length`` columns: later calls get at least that many."""
+    def loop_cache(self, given, capacity: int, batch_size: int):
+        """The static cache the call's loop runs with, kept for the calls after it: one per batch size (the
+        :attr:`KEPT_CACHES` most recently used), emptied in place for each call (:func:`hf_specdec.cache.emptied`), so
+        that its tensors keep their addresses and the graphs recorded over them (on a GPU the target's CUDA graphs,
+        LayerSkip's drafting steps) replay in later calls instead of being recorded again. Its length is the longest
+        any call needed (``capacity``, ``given``'s own if static and longer, at least :attr:`MIN_CACHE`), rounded up
+        to a multiple of :attr:`CACHE_STEP`: the same shapes call after call."""
+        cache_ops.check_editable(given)
+        length = given.get_max_length() if isinstance(given, StaticCache) and given.layers else 0
         step = self.CACHE_STEP
-        self.cache_length = max(self.cache_length, -(-length // step) * step)
+        self.cache_length = max(self.cache_length, -(-max(capacity, length or 0) // step) * step)
+        key = (batch_size, self.cache_length, str(self.model.dtype), str(drafter_device(self.model)))
+        cache = self.caches.pop(key, None)
+        if cache is None:
+            template = StaticCache(config=self.model.config, max_cache_len=self.cache_length)
+            cache = cache_ops.new_cache_like(self.model, template, capacity=self.cache_length)
+        self.caches[key] = cache_ops.emptied(cache)
+        for stale in [k for k in self.caches if k[1] < self.cache_length] + list(self.caches)[:-self.KEPT_CACHES]:
+            self.caches.pop(stale, None)
+        return cache
+
+    def hand_out(self, cache):
+        """A copy of the loop's cache for the caller (the runner writes into its own in the next call)."""
+        return cache_ops.copied(self.model, cache) if any(cache is kept for kept in self.caches.values()) else cache
 
     def exact_bits(self, rounding: str | None = None) -> bool:
         """Not probed: a compiled forward rounds its own way (fused kernels), so in half precision a verification

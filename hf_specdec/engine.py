@@ -304,8 +304,8 @@ def speculative_decode(
     if model.dtype in HALF:
         stats.exact_bits = input_ids.shape[0] == 1 and runner.exact_bits(asked)
     given = model_kwargs.get("cache")  # the caller's cache=/past_key_values=, or the one generate() made
-    state.cache = cache_ops.new_cache_like(model, runner.cache_for_call(given),
-                                           capacity=stopper.max_length + proposer.max_nodes + 64)
+    state.cache = runner.loop_cache(given, capacity=stopper.max_length + proposer.max_nodes + 64,
+                                    batch_size=state.batch_size)
     state.cached, state.carried = _continue_from(given, state, proposer)
     stats.cached_tokens = state.cached
     # rejection sampling draws from torch's generators: seeded by the call's seed when one was given
@@ -319,7 +319,7 @@ def speculative_decode(
     sequences = rows.finish()
     cache = state.cache
     if return_dict or user_defined_cache(given):  # the caller gets the cache back: aligned to the output
-        cache = _hand_back(state, proposer, given, sequences.shape[1])
+        cache = _hand_back(state, proposer, given, sequences.shape[1], runner)
     stats.total_seconds = time.perf_counter() - t_start
     if CALLS.isEnabledFor(logging.INFO):
         CALLS.info(f"hf_specdec {stats.method}: {sequences.shape[0]} row(s), {stats.committed_tokens} tokens, acceptance "
@@ -498,7 +498,7 @@ def _continue_from(given, state: DecodingState, proposer: Proposer) -> tuple[int
     return held, carried
 
 
-def _hand_back(state: DecodingState, proposer: Proposer, given, width: int):
+def _hand_back(state: DecodingState, proposer: Proposer, given, width: int, runner):
     """The call's cache as the caller gets it back (``out.cache``; the cache object it passed, filled as
     ``generate()`` fills it): column ``j`` holds token ``j`` of every row of the ``width``-wide output, for the first
     ``min(lengths) - 1`` tokens (``generate()`` holds all but the last; a row that stopped early has no columns for its
@@ -514,7 +514,7 @@ def _hand_back(state: DecodingState, proposer: Proposer, given, width: int):
         index = order.gather(1, (torch.arange(length, device=state.device)[None] - pads[:, None]).clamp(min=0))
         cache_ops.gather_columns(state.cache, index)
     carried = proposer.hand_back(state, index)
-    cache = state.cache
+    cache = runner.hand_out(state.cache)  # not the cache a runner keeps for later calls: they would write into it
     if given is not None and given is not cache:
         cache_ops.hand_over(cache, given)
         cache = given

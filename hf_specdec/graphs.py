@@ -28,6 +28,7 @@ graphs recorded, ``calls`` the calls (tests and benchmarks read them).
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 from torch.utils import _pytree as pytree
@@ -41,6 +42,30 @@ def _pool(device: torch.device):
     if index not in _POOL:
         _POOL[index] = torch.cuda.graph_pool_handle()
     return _POOL[index]
+
+
+@contextlib.contextmanager
+def counting_captures():
+    """Count the CUDA graphs recorded inside the block (``with counting_captures() as recorded: ...; recorded[0]``):
+    every ``torch.cuda.CUDAGraph`` capture, torch.compile's CUDA graph trees' (the target's verification under
+    ``mode="reduce-overhead"``, which records a graph again when a static input, such as a new cache's tensors, has
+    another address) and this module's. Always 0 without CUDA."""
+    recorded = [0]
+    graph_class = getattr(torch.cuda, "CUDAGraph", None)
+    original = getattr(graph_class, "capture_begin", None)
+    if original is None:
+        yield recorded
+        return
+
+    def counted(self, *args, **kwargs):
+        recorded[0] += 1
+        return original(self, *args, **kwargs)
+
+    graph_class.capture_begin = counted
+    try:
+        yield recorded
+    finally:
+        graph_class.capture_begin = original
 
 
 def dense(t):
@@ -154,10 +179,6 @@ class FixedShapeRegion:
             warmed.add(key)
             for size in sizes:
                 run(size)
-
-    def release(self, owner) -> None:
-        """Let go of the graphs recorded over ``owner``'s buffers (a call's own cache, at the call's end)."""
-        self.owners.pop(owner.graph_key(), None)
 
     def _owned(self, owner):
         """``owner``'s record in :attr:`owners` (made on first use); the least recently used beyond

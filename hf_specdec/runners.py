@@ -232,10 +232,16 @@ class TargetRunner:
         """The target for one ``generate`` call (a context manager)."""
         return self.session_class(self, cache, hidden_states, drafters, rounding)
 
-    def cache_for_call(self, cache):
-        """The kind of cache a call's loop runs with (the loop makes a fresh one of that kind,
-        :func:`hf_specdec.cache.new_cache_like`, and copies into it what the caller's ``cache`` holds): ``cache`` as
-        given; a runner with static shapes gives a static one (:class:`~hf_specdec.compiled.CompiledRunner`)."""
+    def loop_cache(self, given, capacity: int, batch_size: int):
+        """The empty cache a call's loop runs with, for ``batch_size`` rows and at least ``capacity`` columns (the
+        loop copies into it what the caller's cache ``given`` holds): a fresh one of ``given``'s kind
+        (:func:`hf_specdec.cache.new_cache_like`); a runner with static shapes keeps a static one for later calls
+        (:class:`~hf_specdec.compiled.CompiledRunner`)."""
+        return cache_ops.new_cache_like(self.model, given, capacity)
+
+    def hand_out(self, cache):
+        """The loop's ``cache`` at the call's end as the caller may keep it (``out.cache``): itself, or a copy where
+        the runner keeps it for later calls."""
         return cache
 
     def rounding_for(self, rounding: str | None) -> str | None:

@@ -37,18 +37,30 @@ def test_bucket_sizes():
         [1, 2, 4, 4, 8, 8, 16, 16, 32, 64, 64, 128, 128, 192]
 
 
-def test_runner_choice_and_static_cache_for_the_call():
+def test_runner_choice_and_the_kept_static_cache(eager_backend):
+    """compile=True's loop cache is a static one kept by the runner per batch size: the same tensors (emptied) in a
+    later call of any prompt length, so graphs recorded over them replay; a longer call's length (rounded up) holds
+    for every call after it; the caller gets a copy back, never the kept one."""
     model = tiny_model("llama")
     runner = runner_for(model, compile=True)
     assert isinstance(runner, CompiledRunner) and runner is runner_for(model, compile=True)
     assert type(runner_for(model, kernels=False)) is TargetRunner
-    cache = runner.cache_for_call(DynamicCache())
+    cache = runner.loop_cache(DynamicCache(), capacity=100, batch_size=1)
     assert isinstance(cache, StaticCache) and cache.get_max_length() == CompiledRunner.MIN_CACHE
-    loop_cache = cache_ops.new_cache_like(model, cache, capacity=100)  # the loop's cache keeps the longer length
-    assert loop_cache.get_max_length() == CompiledRunner.MIN_CACHE
-    runner.note_cache_length(700)  # a longer call: later calls get its length, rounded up
-    assert runner.cache_for_call(None).get_max_length() == 768
-    assert TargetRunner(model).cache_for_call(None) is None
+    assert runner.loop_cache(None, capacity=200, batch_size=1) is cache
+    assert runner.loop_cache(None, capacity=200, batch_size=2) is not cache  # one per batch size
+    assert runner.loop_cache(None, capacity=700, batch_size=1).get_max_length() == 768
+    assert runner.loop_cache(None, capacity=10, batch_size=1).get_max_length() == 768
+    ids, mask = prompts(1, 7, seed=1)
+    outs = []
+    for _ in range(2):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, **KW, compile=True,
+                             return_dict_in_generate=True, custom_generate=hf_specdec.decoding_method("plain"))
+        kept = runner.caches[(1, 768, str(model.dtype), str(model.device))]
+        assert out.cache is not kept and out.cache.layers[0].keys.data_ptr() != kept.layers[0].keys.data_ptr()
+        outs.append((out.sequences, out.cache.layers[0].keys.data_ptr(), kept.layers[0].keys.data_ptr()))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][2] == outs[1][2]  # the same kept tensors both calls
+    assert cache_ops.cache_length(out.cache) == ids.shape[1] + 4
 
 
 def test_compiled_session_needs_a_static_cache():
@@ -195,19 +207,25 @@ def test_sliding_window_masks_and_layerskip_resume(eager_backend):
 
 def test_prompt_lookup_compiled_with_inductor_lossless_and_no_recompile():
     """The real thing on a CPU: inductor, three sizes (1, 2, 4 nodes), the greedy output of the target's own
-    generate(); a second call (another prompt length, the folder entry point) compiles nothing."""
+    generate(); a second call (another prompt length) compiles nothing, and under ``--device cuda`` records no CUDA
+    graph."""
+    from hf_specdec.graphs import counting_captures
+
     target = tiny_model("llama", layers=2)
     kw = dict(max_new_tokens=24, **KW, draft_length_schedule="constant", prompt_lookup_num_tokens=2)
-    graphs = []
+    graphs, recorded = [], []
     for length in (12, 15):
         ids, mask = prompts(1, length, seed=length)
         ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, **KW)
-        out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True, compile=True,
-                              custom_generate=hf_specdec.decoding_method("prompt_lookup"))
+        with counting_captures() as captures:  # on a GPU: CUDA graph trees' recordings (none on a CPU)
+            out = target.generate(input_ids=ids, attention_mask=mask, **kw, return_dict_in_generate=True,
+                                  compile=True, custom_generate=hf_specdec.decoding_method("prompt_lookup"))
         assert torch.equal(out.sequences, ref)
         assert out.speculative_stats["accepted_drafts"] > 0
         graphs.append(_graphs())
+        recorded.append(captures[0])
     assert graphs[1] == graphs[0]
+    assert recorded[1] == 0  # the kept static cache: the first call's CUDA graphs replay (CompiledRunner.loop_cache)
 
 
 def test_bench_method_string_takes_compile():

@@ -108,9 +108,9 @@ class LayerSkipProposer(Proposer):
         """The plain exit drafts at fixed shapes under ``compile=True`` where the target's masks are one additive
         tensor (no sliding-window layers, no flex attention) and its layers are on one device: each drafting step (the
         early layers over the target's static cache and the exit's logits) is one region (:meth:`_step_region`), a
-        CUDA graph on a GPU, recorded over the call's cache (let go when the call ends)."""
-        if runner is None and self._fixed is not None and getattr(self, "_cache", None) is not None:
-            self._fixed.fixed(type(self)._step_region).release(self)
+        CUDA graph on a GPU, recorded over the target's static cache (the runner's, kept for later calls of the batch
+        size: they replay the same graphs)."""
+        if runner is None:
             self._cache = None
         ok = runner is not None and self.adapter is None and additive_mask(self.stack.config) \
             and len({p.device for p in self.stack.model.parameters()}) == 1
@@ -118,8 +118,8 @@ class LayerSkipProposer(Proposer):
         return ok
 
     def graph_key(self):
-        """What a CUDA graph of :meth:`_step_region` is recorded over (:mod:`hf_specdec.graphs`): the call's static
-        cache and the target."""
+        """What a CUDA graph of :meth:`_step_region` is recorded over (:mod:`hf_specdec.graphs`): the target's static
+        cache (the runner's: :meth:`~hf_specdec.compiled.CompiledRunner.loop_cache`) and the target."""
         return self._cache, self.stack.model, self.exit_layer
 
     def _step_region(self, current, valid, root_positions, start, column):
