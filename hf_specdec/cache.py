@@ -98,6 +98,13 @@ class FixedDraftCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         return self
 
+    def fill_from(self, cache: Cache, length: int) -> "FixedDraftCache":
+        """Its first ``length`` columns copied from the dynamic ``cache`` (one layer per layer)."""
+        for mine_k, mine_v, theirs in zip(self.keys, self.values, cache.layers):
+            mine_k[:, :, :length] = theirs.keys[..., :length, :]
+            mine_v[:, :, :length] = theirs.values[..., :length, :]
+        return self
+
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer: int, *_, **__):
         """Write ``keys, values [B, heads, n, head_dim]`` at the columns ``at``; returns the layer's whole width (the
         call of transformers' attention layers: their further arguments are not needed here)."""
@@ -108,6 +115,13 @@ class FixedDraftCache:
             self.keys[layer].index_copy_(2, self.at, keys)
             self.values[layer].index_copy_(2, self.at, values)
         return self.keys[layer], self.values[layer]
+
+def feed_sees(columns: torch.LongTensor, seen: torch.BoolTensor) -> torch.BoolTensor:
+    """What rows fed into a :class:`FixedDraftCache` at ``columns [n]`` attend to: ``[B, n, width]``, the context
+    columns (``seen [B, width]``) up to each row's own, and itself."""
+    cols = torch.arange(seen.shape[1], device=seen.device)
+    return ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])
+
 
 # ---- continuing from a cache an earlier call filled (a conversation's next turn)
 RECORD = "hf_specdec_continuation"  # the attribute of a cache handed back by a call: its :class:`Continuation`
@@ -291,20 +305,28 @@ def keep_static_columns(keys: list[torch.Tensor], values: list[torch.Tensor], le
 def gather_columns(cache: Cache, index: torch.LongTensor) -> None:
     """Rebuild every row from the columns ``index[b, :]`` (``[B, T']``); the cache then holds ``T'`` columns."""
     length = index.shape[1]
+    if isinstance(cache, FixedDraftCache):
+        for buf in cache.keys + cache.values:
+            _gather_in_place(buf, index.to(buf.device))
+        return
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False):
             continue
         idx = index.to(layer.keys.device)
         if isinstance(layer, StaticLayer):
             for buf in (layer.keys, layer.values):
-                picked = buf.gather(2, idx[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
-                buf[:, :, :length] = picked
+                _gather_in_place(buf, idx)
             set_static_layer_length(layer, length)
         else:
             layer.keys = layer.keys.gather(2, idx[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]))
             layer.values = layer.values.gather(
                 2, idx[:, None, :, None].expand(-1, layer.values.shape[1], -1, layer.values.shape[3])
             )
+
+
+def _gather_in_place(buf: torch.Tensor, index: torch.LongTensor) -> None:
+    """``buf [B, heads, W, D]``'s first ``T'`` columns rebuilt from its columns ``index [B, T']`` (its address kept)."""
+    buf[:, :, :index.shape[1]] = buf.gather(2, index[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
 
 
 @dataclass

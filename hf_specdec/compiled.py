@@ -17,7 +17,7 @@ change size every step and a dynamic cache grows by a column per token. So, with
   tree (``max_nodes``), so that a later call records nothing new for its sizes. Compiled once per runner (one per
   model, :func:`~hf_specdec.runner_choice.runner_for`), so later calls reuse the graphs of earlier ones;
 * a proposer that drafts at fixed shapes (:meth:`~hf_specdec.proposers.Proposer.draft_at_fixed_shapes`: EAGLE-3, MTP,
-  DFlash, Medusa, draft models, LayerSkip's plain exit) runs its drafter's forwards through :meth:`CompiledRunner.fixed`
+  DFlash, Medusa, draft models, LayerSkip) runs its drafter's forwards through :meth:`CompiledRunner.fixed`
   (:mod:`hf_specdec.graphs`: compiled at fixed shapes, a CUDA graph per shape on a GPU, over a drafter cache the runner
   keeps for later calls);
 * the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every other method

@@ -111,10 +111,11 @@ def _eagle3(target):
 # the methods drafting at fixed shapes here, and the graphs each region compiles on the first call: EAGLE-3's feed at
 # 1, 2, 4, 8 and 16 rows and its tree at depth limits 1, 2 and 3; DFlash's block after 1..16 context rows; MTP's
 # feed and its chain of 1 and 2 drafts; a draft model's feed and its chain of 1, 2 and 3; LayerSkip's drafting step
-# (over the target's own cache: no drafter cache) (Medusa: test_sampling_with_a_compiled_proposal)
+# (over the target's own cache) with an exit adapter and the adapter's feeds (Medusa:
+# test_sampling_with_a_compiled_proposal)
 FIXED = {"eagle3": {"_feed_region": 5, "_expand_fixed": 3}, "dflash_tree": {"_block_region": 5},
          "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2}, "assisted": {"_feed_region": 5, "_chain_region": 3},
-         "layerskip": {"_step_region": 1}}
+         "layerskip": {"_step_region": 1, "_adapter_feed_region": 5}}
 
 
 @pytest.mark.parametrize("name", list(FIXED))
@@ -137,6 +138,12 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
         target = tiny_model("llama", layers=4, hidden=H)
         method = hf_specdec.decoding_method("eagle3", drafter=_eagle3(target), tree_top_k=2, tree_depth=3,
                                             tree_total_tokens=5, draft_length_schedule="constant", compile=True)
+    elif name == "layerskip":  # with an exit adapter of a smaller draft vocabulary
+        from test_layerskip import random_adapter
+
+        target = test_syncs._target()
+        adapter = random_adapter(target, exit_layer=1, draft_vocab=target.config.vocab_size // 2, seed=3)
+        method = hf_specdec.decoding_method("layerskip", drafter=adapter, num_speculative_tokens=3)
     else:
         target = test_syncs._target()
         method = test_syncs.method(name, target)
@@ -151,8 +158,7 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
         assert out.speculative_stats["proposed_drafts"] > 0
         regions = {key[0].__name__: fn for key, fn in runner.compiled_fns.items() if isinstance(fn, FixedShapeRegion)}
         assert set(regions) == set(FIXED[name]) and all(r.calls for r in regions.values())
-        assert [type(kept[1]) for kept in runner.draft_buffers.values()] == \
-            ([] if name == "layerskip" else [FixedDraftCache])
+        assert [type(kept[1]) for kept in runner.draft_buffers.values()] == [FixedDraftCache]
         compiles.append({name: r.compiles for name, r in regions.items()})
         graphs.append(_graphs())
         if target.device.type == "cpu":  # from here on the graph path, a stand-in replaying on the CPU

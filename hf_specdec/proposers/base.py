@@ -146,20 +146,27 @@ class Proposer:
         return t if t.device == self.device else t.to(self.device)
 
     def _take_fixed_cache(self, state, rows: int, heads: int, head_dim: int, layers: int) -> int:
-        """Draft over the fixed cache of this drafter, batch size and width (:class:`~hf_specdec.cache.FixedDraftCache`):
+        """Draft over the fixed cache of this drafter, batch size and width (:meth:`_fixed_cache_of`), from its first
+        column (``self.cache``, ``self.synced = 0``). Returns the first column after the scratch one (the guesses')."""
+        self.cache, base = self._fixed_cache_of(self.drafter, state, rows, heads, head_dim, layers, self.dtype,
+                                                self.device)
+        self.synced = 0
+        return base
+
+    def _fixed_cache_of(self, drafter, state, rows: int, heads: int, head_dim: int, layers: int, dtype, device):
+        """The fixed cache of ``drafter`` for this batch size and width (:class:`~hf_specdec.cache.FixedDraftCache`):
         the target's static cache columns, a scratch column (where padding rows write, which no row sees) and ``rows``
         columns of the drafter's own guesses after it. The runner keeps it for later calls (one per drafter: a call of
-        another shape replaces it), so their regions find their graphs recorded over it. Returns the first column
-        after the scratch one (the guesses' first)."""
+        another shape replaces it), so their regions find their graphs recorded over it. Returns ``(cache, the first
+        column after the scratch one)``."""
         base = state.cache.get_max_length() + 1
-        key = (state.batch_size, base + rows, self.dtype, str(self.device))
-        kept = self._fixed.draft_buffers.get(self.drafter)
+        key = (state.batch_size, base + rows, dtype, str(device))
+        kept = self._fixed.draft_buffers.get(drafter)
         if kept is None or kept[0] != key:
             kept = (key, cache_ops.FixedDraftCache(base + rows).allocate(state.batch_size, heads, head_dim, layers,
-                                                                         self.dtype, self.device))
-            self._fixed.draft_buffers[self.drafter] = kept
-        self.cache, self.synced = kept[1], 0
-        return base
+                                                                         dtype, device))
+            self._fixed.draft_buffers[drafter] = kept
+        return kept[1], base
 
     def prepare(self, model) -> None:
         """Called before the target's prefill: check the proposer fits ``model`` and set ``target_hidden_states``."""

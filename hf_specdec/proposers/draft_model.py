@@ -233,8 +233,7 @@ class DraftModelProposer(Proposer):
         """One drafter forward over rows ``tokens, positions [B, n]`` written at the cache ``columns [n]``, each row
         seeing the columns of ``seen [B, width]`` up to its own, and itself; the logits ``[B, V]`` of row ``root
         [1]`` (the root's)."""
-        cols = torch.arange(seen.shape[1], device=seen.device)
-        sees = ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])  # [B, n, width]
+        sees = cache_ops.feed_sees(columns, seen)  # [B, n, width]
         self.cache.at = columns
         return self._logits(tokens, positions, additive(sees, self.dtype)[:, None], root)
 

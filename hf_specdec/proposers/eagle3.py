@@ -150,8 +150,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         """One drafter forward over context rows ``tokens, features, positions [B, n(, F)]`` written at the cache
         ``columns [n]``, each row seeing the context columns (``seen [B, width]``) up to its own and itself; the
         logits and hidden state of each batch row's row ``root [B]``."""
-        cols = torch.arange(seen.shape[1], device=seen.device)
-        sees = ((cols <= columns[:, None]) & seen[:, None, :]) | (cols == columns[:, None])  # [B, n, width]
+        sees = cache_ops.feed_sees(columns, seen)  # [B, n, width]
         self.cache.at = columns
         logits, hidden = self.drafter(tokens, features, positions, self._visible(sees)[:, None], self.cache,
                                       logits_to_keep=root)

@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
 from ..attention import additive
+from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, feed_rows
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.layerskip import ExitAdapter
@@ -105,22 +106,26 @@ class LayerSkipProposer(Proposer):
 
     # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)
     def draft_at_fixed_shapes(self, runner) -> bool:
-        """The plain exit drafts at fixed shapes under ``compile=True`` where the target's masks are one additive
-        tensor (no sliding-window layers, no flex attention) and its layers are on one device: each drafting step (the
-        early layers over the target's static cache and the exit's logits) is one region (:meth:`_step_region`), a
-        CUDA graph on a GPU, recorded over the target's static cache (the runner's, kept for later calls of the batch
-        size: they replay the same graphs)."""
+        """LayerSkip drafts at fixed shapes under ``compile=True`` where the target's masks are one additive tensor (no
+        sliding-window layers, no flex attention) and its layers (and the exit adapter) are on one device: each
+        drafting step (the early layers over the target's static cache, the adapter over its fixed cache, the exit's
+        logits) is one region (:meth:`_step_region`), a CUDA graph on a GPU, recorded over the target's static cache
+        (the runner's, kept for later calls of the batch size: they replay the same graphs). The adapter's own feeds
+        of committed exits it has not seen run at a bucket of rows (:meth:`_adapter_feed_region`)."""
         if runner is None:
             self._cache = None
-        ok = runner is not None and self.adapter is None and additive_mask(self.stack.config) \
-            and len({p.device for p in self.stack.model.parameters()}) == 1
+        devices = {p.device for p in self.stack.model.parameters()}
+        if self.adapter is not None:
+            devices |= {p.device for p in self.adapter.parameters()}
+        ok = runner is not None and additive_mask(self.stack.config) and len(devices) == 1
         self._fixed = runner if ok else None
         return ok
 
     def graph_key(self):
-        """What a CUDA graph of :meth:`_step_region` is recorded over (:mod:`hf_specdec.graphs`): the target's static
-        cache (the runner's: :meth:`~hf_specdec.compiled.CompiledRunner.loop_cache`) and the target."""
-        return self._cache, self.stack.model, self.exit_layer
+        """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): the target's
+        static cache (the runner's: :meth:`~hf_specdec.compiled.CompiledRunner.loop_cache`), the target, and the exit
+        adapter with its fixed cache."""
+        return self._cache, self.stack.model, self.exit_layer, self.adapter, getattr(self, "adapter_cache", None)
 
     def _step_region(self, current, valid, root_positions, start, column):
         """One drafting step: token ``current [B]`` at cache column ``column [1]`` (position ``root_positions [B] +
@@ -140,7 +145,53 @@ class LayerSkipProposer(Proposer):
         hidden = stack.run(hidden, 0, self.exit_layer, mask[:, None, None], stack.rotary(hidden, positions), positions,
                            self._cache)
         capture_restore(token)
-        return hidden, stack.logits(hidden)[:, -1]
+        if self.adapter is None:
+            return hidden, stack.logits(hidden)[:, -1]
+        self.adapter_cache.at = column  # its scratch column (the last) is never seen
+        seen = torch.nn.functional.pad(sees, (0, 1))
+        normed = self.adapter(hidden, positions, additive(seen, self.adapter_dtype)[:, None, None], self.adapter_cache)
+        return hidden, self._adapter_logits(normed)
+
+    def _adapter_logits(self, normed) -> torch.Tensor:
+        """The adapter's draft logits ``[B, V]`` (fp32, the target's vocabulary: tokens outside the draft vocabulary at
+        -inf, never drafted) of its last output row."""
+        sub = self.adapter.logits(normed)[:, -1]
+        if self.adapter.config.draft_vocab_size == self.adapter.config.vocab_size:
+            return sub
+        logits = sub.new_full((sub.shape[0], self.adapter.config.vocab_size), float("-inf"))
+        logits[:, self.adapter.token_map.to(sub.device)] = sub
+        return logits
+
+    def _adapter_feed_region(self, exits, positions, columns, seen) -> None:
+        """The adapter's keys/values of exit states ``exits [B, n, H]`` (positions ``[B, n]``) written at its fixed
+        cache's ``columns [n]``, each row seeing the columns of ``seen [B, width]`` up to its own, and itself."""
+        self.adapter_cache.at = columns
+        self.adapter(exits, positions, additive(cache_ops.feed_sees(columns, seen), self.adapter_dtype)[:, None],
+                     self.adapter_cache)
+
+    def _feed_adapter_fixed(self, state, exits, start: int) -> None:
+        """:meth:`_feed_adapter` into the adapter's fixed cache: at a bucket of rows (padding rows write into the
+        scratch column, which no row sees), more than the buckets at their own number."""
+        layout, width = state.layout, self.adapter_cache.width
+        n = layout.length - start
+        # eager (a few small operations): compiled with dynamic shapes, each new count of rows in its first calls
+        # (1, then 2, then one equal to its bucket) was a new graph, seconds each on a CPU
+        inputs = _adapter_feed_inputs(exits, layout.positions, layout.valid, start, feed_rows(n), width)
+        if n > FEED_BUCKETS_UP_TO:
+            return self._adapter_feed_region(*inputs)
+        feed = self._fixed.fixed(type(self)._adapter_feed_region)
+        feed.warm(self, "adapter feeds", FEED_SIZES, lambda rows: feed(self, *_adapter_feed_inputs(
+            exits.new_zeros(exits.shape[0], 0, exits.shape[2]), layout.positions[:, :0], layout.valid[:, :0], 0,
+            rows, width)))
+        feed(self, *inputs)
+
+    def _take_fixed_adapter_cache(self, state) -> None:
+        """The adapter's fixed cache (kept by the runner for later calls), holding what its dynamic cache held (the
+        prompt's columns, fed in ``begin``)."""
+        cfg = self.adapter.config
+        fixed, _ = self._fixed_cache_of(self.adapter, state, 0, cfg.num_key_value_heads, cfg.head_dim,
+                                        cfg.num_hidden_layers, self.adapter_dtype, self.adapter.norm.weight.device)
+        self.adapter_cache = fixed.fill_from(self.adapter_cache, self.adapter_cache.get_seq_length())
 
     def prepare(self, model) -> None:
         DecoderStack.check(model)
@@ -187,7 +238,9 @@ class LayerSkipProposer(Proposer):
             and carried.key == ("exit", self.exit_layer)
 
     def hand_back(self, state, index):
-        if self.adapter is None:
+        """The adapter's cache over the handed-back columns (none from a fixed cache: the runner keeps that for later
+        calls; a next call prefills the conversation again)."""
+        if self.adapter is None or isinstance(self.adapter_cache, cache_ops.FixedDraftCache):
             return None
         synced = cache_ops.kept_mirror(self.adapter_cache, state.layout.length, index)
         return Carried.of(self.adapter, self.adapter_cache, synced, key=("exit", self.exit_layer))
@@ -219,13 +272,7 @@ class LayerSkipProposer(Proposer):
         mask = build_attention_mask(self.adapter.config, past_valid, past_pos, positions,
                                     torch.ones(state.batch_size, 1, 1, dtype=torch.bool, device=state.device),
                                     self.adapter_dtype)
-        normed = self.adapter(hidden, positions, mask, self.adapter_cache)
-        sub = self.adapter.logits(normed)[:, -1]
-        if self.adapter.config.draft_vocab_size == self.adapter.config.vocab_size:
-            return sub.to(state.device)
-        logits = sub.new_full((sub.shape[0], self.adapter.config.vocab_size), float("-inf"))
-        logits[:, self.adapter.token_map.to(sub.device)] = sub  # tokens outside the draft vocabulary are never drafted
-        return logits.to(state.device)
+        return self._adapter_logits(self.adapter(hidden, positions, mask, self.adapter_cache)).to(state.device)
 
     @host_side
     def _plan(self, state) -> int:
@@ -273,9 +320,15 @@ class LayerSkipProposer(Proposer):
         current = roots
         if self._fixed is not None:  # the chain's columns uploaded once; the layout's as wide as the cache
             self._cache = cache
+            if self.adapter is not None and not isinstance(self.adapter_cache, cache_ops.FixedDraftCache):
+                self._take_fixed_adapter_cache(state)
             region = self._fixed.fixed(type(self)._step_region)
             columns = to_device(list(range(layout.length, layout.length + k)), state.device)
             valid = self._fixed.fused(_padded)(layout.valid, kv_width)
+            # compiled (on a GPU captured) before the timed steps, which the length rule reads: the first step's own
+            # inputs, so the run writes what that step writes
+            region.warm(self, "step", [0], lambda _: region(self, current, valid, state.root_positions, columns[:1],
+                                                           columns[:1]))
         for j in range(k):
             if j > 0 and self.num_tokens is None and self._stops(j):
                 break
@@ -329,18 +382,33 @@ class LayerSkipProposer(Proposer):
         width = max(len(p) for p in result.paths)
         past = state.layout.length - width  # columns before this step
         seen = min(fed, width)
-        cache_ops.crop(self.adapter_cache, past + seen)
+        fixed = isinstance(self.adapter_cache, cache_ops.FixedDraftCache)
+        if not fixed:  # a fixed cache's later columns are masked until overwritten
+            cache_ops.crop(self.adapter_cache, past + seen)
         if seen == width:
             return
         exits = state.hidden_states[self.exit_layer]
         if not result.is_prefix_paths():  # a tree: path node i of row b is column past + i
             nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], exits.device)
             exits = exits.gather(1, nodes[:, :, None].expand(-1, -1, exits.shape[-1]))
-        self._feed_adapter(state, exits[:, seen:width], past + seen)
+        (self._feed_adapter_fixed if fixed else self._feed_adapter)(state, exits[:, seen:width], past + seen)
 
     def on_compact(self, state, index) -> None:
         if self.adapter is not None:
             cache_ops.gather_columns(self.adapter_cache, index)
+
+
+def _adapter_feed_inputs(exits, positions, valid, start: int, rows: int, width: int):
+    """:meth:`LayerSkipProposer._adapter_feed_region`'s inputs for the exits ``exits [B, n, H]`` of the layout's
+    columns ``start..`` (``positions, valid [B, T]``) at ``rows`` rows: the padding rows' columns the scratch one
+    (``width - 1``), ``seen`` the layout's valid columns as wide as the cache."""
+    n, length = exits.shape[1], valid.shape[1]
+    pad = rows - n
+    columns = torch.cat([torch.arange(start, start + n, device=valid.device),
+                         torch.full((pad,), width - 1, dtype=torch.long, device=valid.device)])
+    return (torch.nn.functional.pad(exits, (0, 0, 0, pad)),
+            torch.nn.functional.pad(positions[:, start:start + n], (0, pad)), columns,
+            torch.nn.functional.pad(valid, (0, width - length)))
 
 
 def _padded(valid: torch.BoolTensor, width: int) -> torch.BoolTensor:
