@@ -39,11 +39,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
 
 import torch
+from torch.fx.experimental import _config as fx_config
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -64,6 +66,17 @@ RECOMPILE_LIMIT = 512
 
 def _limits():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=8 * RECOMPILE_LIMIT)
+
+
+@contextlib.contextmanager
+def _oblivious():
+    """:func:`_limits`, and sizes reasoned about size-obliviously (``backed_size_oblivious``): a dynamic region's
+    sizes of 1 (a tree of one node, one accepted column) and those a slice brings to 1 (a chain of 2 nodes) are not
+    specialised, so a region is one graph for every size instead of three (1, 2, then the rest), each met first in
+    whichever later call takes that path (seconds of compilation inside a timed call); and no sizes assumed equal
+    because they were equal when first seen (``use_duck_shape`` off: one row and one accepted column)."""
+    with _limits(), fx_config.patch(backed_size_oblivious=True, use_duck_shape=False):
+        yield
 
 
 FEED_BUCKETS_UP_TO = 16  # a drafter's context feed of more rows (the prompt, a backlog) runs eagerly at its own width
@@ -140,7 +153,7 @@ class CompiledSession(TargetSession):
             return super().keep_columns(start, index, width)
         if index is not None:
             index = index.to(self._cache_device)
-        self.runner.fused(cache_ops.keep_static_columns)(
+        self.runner.fused(cache_ops.keep_static_columns, oblivious=True)(
             [layer.keys for layer in layers], [layer.values for layer in layers],
             [static_layer_length(layer) for layer in layers], start, index, width)
 
@@ -169,8 +182,8 @@ class CompiledSession(TargetSession):
             width = q  # another mask format (a flex BlockMask): run unpadded (a graph per size, still correct)
         pad = width - q
         if pad:  # padding nodes: copies of the first node (the root), which no node attends to (one region)
-            input_ids, position_ids, attention_mask = self.runner.fused(_pad_nodes)(input_ids, position_ids,
-                                                                                    attention_mask, pad)
+            input_ids, position_ids, attention_mask = self.runner.fused(_pad_nodes, oblivious=True)(
+                input_ids, position_ids, attention_mask, pad)
         # dense inputs: a graph is specialised to strides too (expanded tokens would be another one)
         inputs = dict(input_ids=dense(input_ids), position_ids=dense(position_ids),
                       attention_mask=_map_masks(attention_mask, dense))
@@ -271,7 +284,7 @@ class CompiledRunner(TargetRunner):
         # drafter -> (shape, the FixedDraftCache EAGLE-3 drafts over), kept for later calls, which replay its graphs
         self.draft_buffers = weakref.WeakKeyDictionary()
 
-    def fused(self, fn):
+    def fused(self, fn, oblivious: bool = False):
         """``fn`` through ``torch.compile`` with dynamic shapes, made once per function: a function of the step's
         tensors (a tree's mask, the acceptance rule, the cache commit) as one compiled region, or a proposer class's
         ``propose`` (called with the instance first; dynamo splits it into regions where it reads the host or a clock).
@@ -279,14 +292,26 @@ class CompiledRunner(TargetRunner):
         Dynamic shapes from the first compilation (``dynamic=True``: sizes symbolic, but for 0 and 1), as the drafters'
         own caches and the layout grow every step and the context a drafter is fed first is the prompt: a new prompt
         length is then no new graph. So inductor's default mode on a GPU too: CUDA graphs need fixed shapes, which
-        :meth:`fixed` gives the proposers that draft at them."""
+        :meth:`fixed` gives the proposers that draft at them.
+
+        ``oblivious``: sizes reasoned about size-obliviously (:func:`_oblivious`), for the loop's own functions of the
+        step's tensors, whose sizes of 1 (one node, one accepted column) are sizes like any other; not for model code,
+        whose masks' broadcast dimensions of 1 must stay 1. Where the backend cannot compile a function so (inductor
+        lowers some operations only with sizes it can compare), it is compiled again without, for good."""
         if fn not in self.compiled_fns:
-            compiled = torch.compile(fn, backend=self.backend, dynamic=True)
+            made = {"fn": torch.compile(fn, backend=self.backend, dynamic=True), "oblivious": oblivious}
 
             @functools.wraps(fn)
             def run(*args, **kwargs):
+                if made["oblivious"]:
+                    try:
+                        with _oblivious():
+                            return made["fn"](*args, **kwargs)
+                    except torch._dynamo.exc.BackendCompilerFailed as err:  # raised compiling: nothing ran yet
+                        logger.debug(f"hf_specdec: {fn.__qualname__} compiled without size-oblivious sizes ({err})")
+                        made.update(fn=torch.compile(fn, backend=self.backend, dynamic=True), oblivious=False)
                 with _limits():
-                    return compiled(*args, **kwargs)
+                    return made["fn"](*args, **kwargs)
 
             self.compiled_fns[fn] = run
         return self.compiled_fns[fn]

@@ -472,8 +472,8 @@ def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, 
     keep = to_device([[j < k for j in range(width)] for k in kept], state.device, dtype=torch.bool)
     target.keep_columns(past, path_nodes, width)
     layout = state.layout
-    columns = target.runner.fused(cache_ops.path_columns)(layout.valid, layout.positions, layout.tokens, keep,
-                                                          state.root_positions, tree.depths, tree.tokens, path_nodes)
+    columns = target.runner.fused(cache_ops.path_columns, oblivious=True)(
+        layout.valid, layout.positions, layout.tokens, keep, state.root_positions, tree.depths, tree.tokens, path_nodes)
     layout.grow(*columns, counts=kept)
 
 

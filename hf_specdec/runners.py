@@ -204,9 +204,9 @@ class TargetRunner:
         """Whether this runner can run ``model`` (the plain runner runs any model)."""
         return True
 
-    def fused(self, fn):
+    def fused(self, fn, oblivious: bool = False):
         """``fn`` (a function of tensors of the loop's step) as this runner runs it: itself here; compiled into one
-        region by the compiled runner (:meth:`hf_specdec.compiled.CompiledRunner.fused`)."""
+        region by the compiled runner (:meth:`hf_specdec.compiled.CompiledRunner.fused`, which reads ``oblivious``)."""
         return fn
 
     def fixed(self, fn):

@@ -110,7 +110,7 @@ def accept(
         return _coupled(tree, logits, noise, warp, active, want_scores, want_logits)
     if not do_sample and process is None:
         return _greedy(tree, logits, active, want_scores, want_logits,
-                       fused=fused(greedy_rule) if fused is not None else None)
+                       fused=fused(greedy_rule, oblivious=True) if fused is not None else None)
     bsz = tree.batch_size
     paths, new_tokens = [], []
     scores = [] if want_scores else None

@@ -63,6 +63,30 @@ def test_runner_choice_and_the_kept_static_cache(eager_backend):
     assert cache_ops.cache_length(out.cache) == ids.shape[1] + 4
 
 
+def test_a_size_oblivious_region_the_backend_refuses_compiles_again_without(monkeypatch):
+    """The loop's own regions compile with size-oblivious sizes (one graph for trees of 1, 2 and more nodes); a
+    function the backend cannot compile so is compiled again without, and gives the same result."""
+    import contextlib
+
+    from hf_specdec import compiled as compiled_mod
+    from hf_specdec.verify import greedy_rule
+
+    runner = CompiledRunner(tiny_model("llama", layers=1))
+    runner.backend = "eager"
+    tokens, logits = torch.tensor([[5, 1, 2]]), torch.randn(1, 3, 8)
+    args = (tokens, (torch.arange(3) - 1)[None], torch.ones(1, 3, dtype=torch.bool), None, None, logits, True)
+    want = greedy_rule(*args)
+
+    @contextlib.contextmanager
+    def refused():
+        raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, RuntimeError("lowering refused"), None)
+        yield
+
+    monkeypatch.setattr(compiled_mod, "_oblivious", refused)
+    got = runner.fused(greedy_rule, oblivious=True)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_compiled_session_needs_a_static_cache():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="static KV cache.*cache_implementation='static'"):
