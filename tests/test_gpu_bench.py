@@ -45,6 +45,7 @@ def test_tiny_run_reports_every_method(gpu, tmp_path):
                     "launches_per_step", "warmup_seconds"):
             assert isinstance(row[key], float) and math.isfinite(row[key]), (name, key)
         assert row["syncs"] >= 0 and sum(row["syncs_by_name"].values()) == row["syncs"]
+        assert row["graphs_recorded_timed"] == 0, name  # no CUDA here: counted, never recorded
         assert row["steps"] == len(row["verify_sizes"]) and row["cuda_syncs_per_step"] is None  # CPU
     assert rows["stock"]["tau"] == rows["stock_compiled"]["tau"] == 1.0 and rows["stock"]["ideal_speedup"] == 1.0
     assert all(row["launches_per_step"] > 0 for row in rows.values())
