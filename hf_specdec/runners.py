@@ -195,9 +195,17 @@ class TargetRunner:
     session_class = TargetSession
 
     def __init__(self, model):
-        self.model = model
+        try:  # kept per model (PER_MODEL, weak keys): a strong reference here would keep every model run alive
+            self._model = weakref.ref(model)
+        except TypeError:  # not weak-referenceable: such a model gets a fresh runner per call anyway
+            self._model = lambda: model
         self.costs: dict[tuple[str, str, int, str], ForwardCostModel] = {}
         self.bits: dict[tuple[str, str, str], bool] = {}  # exact_bits verdicts (device type, dtype, rounding)
+
+    @property
+    def model(self):
+        """The runner's model (held weakly: the runner is dropped with it)."""
+        return self._model()
 
     @classmethod
     def applies_to(cls, model) -> bool:

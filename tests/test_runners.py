@@ -88,6 +88,22 @@ def test_runner_choice_at_the_entry_point(monkeypatch):
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+def test_a_model_is_freed_with_its_kept_runners():
+    """The runners kept per model hold it weakly: a model a call ran is freed when its user drops it (a kept runner
+    holding it strongly kept every model ever run alive, a notebook's reloaded models on the GPU included)."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    ids, mask = prompts(1, 8, seed=1)
+    model.generate(input_ids=ids, attention_mask=mask, **GEN, custom_generate=hf_specdec.decoding_method("plain"))
+    assert runner_for(model).model is model
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 def test_each_cpu_kernel_runner_keeps_its_own_timing_cache():
     a, b = tiny_model("llama"), tiny_model("llama", seed=2)
     ra, rb = runner_for(a), runner_for(b)
