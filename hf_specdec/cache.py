@@ -34,12 +34,16 @@ def new_cache_like(model, cache: Cache | None, capacity: int) -> Cache:
     """
     check_editable(cache)
     if isinstance(cache, StaticCache):
-        capacity = max(capacity, cache.get_max_length() if cache.layers else 0)
-        new = StaticCache(config=model.config, max_cache_len=capacity)
-        new.layers = [StaticLayer(max_cache_len=capacity) for _ in new.layers]
-        return new
+        return static_cache(model, max(capacity, cache.get_max_length() if cache.layers else 0))
     return DynamicCache()
 
+
+def static_cache(model, capacity: int) -> StaticCache:
+    """An empty static cache of ``capacity`` columns for ``model``, every layer a full one (sliding-window layers
+    too: the loop keeps and cuts columns by index)."""
+    new = StaticCache(config=model.config, max_cache_len=capacity)
+    new.layers = [StaticLayer(max_cache_len=capacity) for _ in new.layers]
+    return new
 
 
 def check_editable(cache: Cache | None) -> None:
@@ -115,6 +119,7 @@ class FixedDraftCache:
             self.keys[layer].index_copy_(2, self.at, keys)
             self.values[layer].index_copy_(2, self.at, values)
         return self.keys[layer], self.values[layer]
+
 
 def feed_sees(columns: torch.LongTensor, seen: torch.BoolTensor) -> torch.BoolTensor:
     """What rows fed into a :class:`FixedDraftCache` at ``columns [n]`` attend to: ``[B, n, width]``, the context

@@ -335,12 +335,11 @@ class CompiledRunner(TargetRunner):
         cache_ops.check_editable(given)
         length = given.get_max_length() if isinstance(given, StaticCache) and given.layers else 0
         step = self.CACHE_STEP
-        self.cache_length = max(self.cache_length, -(-max(capacity, length or 0) // step) * step)
+        self.cache_length = max(self.cache_length, -(-max(capacity, length) // step) * step)
         key = (batch_size, self.cache_length, str(self.model.dtype), str(drafter_device(self.model)))
         cache = self.caches.pop(key, None)
         if cache is None:
-            template = StaticCache(config=self.model.config, max_cache_len=self.cache_length)
-            cache = cache_ops.new_cache_like(self.model, template, capacity=self.cache_length)
+            cache = cache_ops.static_cache(self.model, self.cache_length)
         self.caches[key] = cache_ops.emptied(cache)
         for stale in [k for k in self.caches if k[1] < self.cache_length] + list(self.caches)[:-self.KEPT_CACHES]:
             self.caches.pop(stale, None)

@@ -192,6 +192,11 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
     if name != "layerskip":  # its second call meets new paths of the loop's dynamic regions (a resumed verification
         assert graphs[1] == graphs[0]  # of 1 node, a row accepting all): dynamo's 0/1 specialisation, once a process
     assert all(0 < r.captures <= FIXED[name][n] for n, r in regions.items())  # each shape used, captured once
+    if name == "layerskip":  # the plain exit (no adapter) drafts through the same step region
+        plain = test_syncs.method("layerskip", target)
+        out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, **KW, compile=True,
+                              return_dict_in_generate=True, custom_generate=plain)
+        assert torch.equal(out.sequences, ref) and out.speculative_stats["proposed_drafts"] > 0
     if name != "eagle3":  # MTP perturbs as EAGLE-3 in its regions, DFlash after its region as when eager
         return
     ref, _ = _run(target, hf_specdec.decoding_method("plain"), bsz, seed=11)
