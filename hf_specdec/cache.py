@@ -307,6 +307,41 @@ def keep_static_columns(keys: list[torch.Tensor], values: list[torch.Tensor], le
         length.fill_(start + width)
 
 
+class StaticColumns:
+    """A static cache's layer tensors as :func:`commit_columns` writes into them: a CUDA graph of that region is
+    recorded over them (:mod:`hf_specdec.graphs`; ``graph_key``: the cache and its tensors, which the compiled runner
+    keeps for later calls of the batch size, so their graphs replay)."""
+
+    def __init__(self, cache: Cache, layers: list):
+        self.cache = cache
+        self.keys = [layer.keys for layer in layers]
+        self.values = [layer.values for layer in layers]
+        self.lengths = [static_layer_length(layer) for layer in layers]
+        self.key = (cache, *(id(t) for t in self.keys + self.values + self.lengths))
+
+    def graph_key(self):
+        return self.key
+
+
+def commit_columns(owner: StaticColumns, scalars: torch.LongTensor, index: torch.LongTensor) -> None:
+    """:func:`keep_static_columns` at fixed shapes (a region the compiled runner replays as one CUDA graph): with
+    ``scalars = [start, width]`` (a ``[2]`` tensor: no host value in the graph), every row keeps its columns ``start +
+    index[b, j]`` at ``start + j`` for ``j < width`` and every layer then holds ``start + width`` columns. ``index [B,
+    K]`` holds at least ``width`` columns (``K``: a bucket; those past ``width`` are not read: the padding columns
+    copy the last kept one onto itself again, the same value twice). An identity ``index`` moves nothing (what warms
+    a size up: a graph's warm-up runs must change nothing)."""
+    bsz, k = index.shape
+    start, width = scalars[0], scalars[1]
+    j = torch.minimum(torch.arange(k, device=index.device), width - 1)  # [K]
+    source = start + index.gather(1, j.expand(bsz, k))  # [B, K]
+    for keys, values in zip(owner.keys, owner.values):
+        for buf in (keys, values):
+            picked = buf.gather(2, source[:, None, :, None].expand(-1, buf.shape[1], -1, buf.shape[3]))
+            buf.index_copy_(2, start + j, picked)
+    for length in owner.lengths:
+        length.copy_(start + width)
+
+
 def gather_columns(cache: Cache, index: torch.LongTensor) -> None:
     """Rebuild every row from the columns ``index[b, :]`` (``[B, T']``); the cache then holds ``T'`` columns."""
     length = index.shape[1]

@@ -20,10 +20,13 @@ change size every step and a dynamic cache grows by a column per token. So, with
   DFlash, Medusa, draft models, LayerSkip) runs its drafter's forwards through :meth:`CompiledRunner.fixed`
   (:mod:`hf_specdec.graphs`: compiled at fixed shapes, a CUDA graph per shape on a GPU, over a drafter cache the runner
   keeps for later calls);
+* the cache commit after each verification (every layer's accepted columns moved into place, its length set) is one
+  fixed-shape region too (:func:`hf_specdec.cache.commit_columns`, a graph per bucket of kept columns over the kept
+  static cache: on a GPU one replay where it launched kernels per layer);
 * the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every other method
   that drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed
   from its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), and the loop's functions of tensors (the tree's
-  mask, the greedy rule, the cache commit). The host bookkeeping inside a proposal (lists of committed tokens, the rows'
+  mask, the greedy rule, the layout's new columns). The host bookkeeping inside a proposal (lists of committed tokens, the rows'
   budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length. The
   prefill runs eagerly.
 
@@ -50,12 +53,12 @@ from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
 from . import cache as cache_ops
-from ._transformers import static_layer_length
 from .attention import TENSOR, tree_mask_format
 from .dtypes import HALF
 from .graphs import FixedShapeRegion, dense
 from .placement import drafter_device
 from .runners import TargetRunner, TargetSession, device_type_of, logger
+from .syncs import to_device
 from .tree import tree_inputs
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification sizes; past the last one, multiples of it
@@ -115,6 +118,8 @@ class CompiledSession(TargetSession):
         self._max_nodes = 1  # the proposer's largest tree (root included): the sizes compiled on first use
         self._cache_device = None  # the static cache's one device, False if several (set on the first commit)
         self._tensor_masks: bool | None = None  # the call's tree masks are tensors (set on first verification)
+        self._columns = None  # the static cache's tensors as the commit region writes into them (StaticColumns)
+        self._constants: dict = {}  # the identity indices of the commit region, per shape
 
     def __exit__(self, *exc) -> None:
         for part in self._parts or ():
@@ -151,11 +156,29 @@ class CompiledSession(TargetSession):
             self._cache_device = devices.pop() if one else False
         if self._cache_device is False:  # layers placed on several devices: one at a time
             return super().keep_columns(start, index, width)
-        if index is not None:
-            index = index.to(self._cache_device)
-        self.runner.fused(cache_ops.keep_static_columns, oblivious=True)(
-            [layer.keys for layer in layers], [layer.values for layer in layers],
-            [static_layer_length(layer) for layer in layers], start, index, width)
+        if self._columns is None or self._columns.cache is not self.cache:
+            self._columns = cache_ops.StaticColumns(self.cache, layers)
+        owner, device, bsz, k = self._columns, self._cache_device, layers[0].keys.shape[0], bucket_size(width)
+        region = self.runner.fixed(cache_ops.commit_columns)
+        if not region.warmed(owner, ("commit", bsz, k)):
+            # every size the call's trees may keep, on first use: with an identity index (nothing moves), so that a
+            # graph's warm-up runs (two on a GPU) do not apply the step's permutation of columns twice
+            for size in sorted({bucket_size(n) for n in range(1, self._max_nodes + 1)} | {k}):
+                region.warm(owner, ("commit", bsz, size), [size],
+                            lambda n: region(owner, to_device([start, 1], device), self._identity(bsz, n, device)))
+        if index is None:  # the kept paths are prefixes: the columns stay where they are
+            index = self._identity(bsz, k, device)
+        else:
+            index = index.to(device)
+            index = torch.nn.functional.pad(index, (0, k - index.shape[1])) if index.shape[1] < k else index[:, :k]
+        region(owner, to_device([start, width], device), index)
+
+    def _identity(self, bsz: int, k: int, device) -> torch.LongTensor:
+        """``[bsz, k]`` column indices ``0..k-1`` (made once per shape and call)."""
+        key = ("identity", bsz, k)
+        if key not in self._constants:
+            self._constants[key] = torch.arange(k, device=device).expand(bsz, k).contiguous()
+        return self._constants[key]
 
     def _tree_inputs(self, state, tree):
         if self._tensor_masks is None:  # the call's attention (switched for the call on entering the session)

@@ -180,6 +180,10 @@ class FixedShapeRegion:
             for size in sizes:
                 run(size)
 
+    def warmed(self, owner, key) -> bool:
+        """Whether :meth:`warm` ran ``key`` for ``owner``'s buffers (and they are still kept)."""
+        return key in self._owned(owner)[1]
+
     def _owned(self, owner):
         """``owner``'s record in :attr:`owners` (made on first use); the least recently used beyond
         :attr:`OWNERS` let go (buffers of earlier calls' shapes, another batch size)."""
