@@ -26,9 +26,9 @@ change size every step and a dynamic cache grows by a column per token. So, with
 * the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every other method
   that drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed
   from its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), and the loop's functions of tensors (the tree's
-  mask, the greedy rule, the layout's new columns). The host bookkeeping inside a proposal (lists of committed tokens, the rows'
-  budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length. The
-  prefill runs eagerly.
+  mask, the greedy rule, the layout's new columns). The host bookkeeping inside a proposal (lists of committed tokens,
+  the rows' budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length.
+  The prefill runs eagerly.
 
 On a CPU the CPU kernel runner's products are not used (the compiled forward is the model's own code). In float32
 the outputs are the target's own greedy outputs as everywhere; in half precision a compiled forward rounds its own
