@@ -54,6 +54,7 @@ from transformers.cache_utils import StaticLayer
 
 from . import cache as cache_ops
 from .attention import TENSOR, tree_mask_format
+from .coupling import uniforms_of
 from .dtypes import HALF
 from .graphs import FixedShapeRegion, dense
 from .placement import drafter_device
@@ -338,6 +339,11 @@ class CompiledRunner(TargetRunner):
 
             self.compiled_fns[fn] = run
         return self.compiled_fns[fn]
+
+    def noise_maker(self):
+        """Coupled sampling's uniforms as one region (:func:`hf_specdec.coupling.uniforms_of`, every position at
+        once)."""
+        return self.fused(uniforms_of)
 
     def fixed(self, fn):
         """``fn(owner, *tensors)`` as a :class:`~hf_specdec.graphs.FixedShapeRegion` (made once per function): compiled

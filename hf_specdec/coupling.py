@@ -84,18 +84,29 @@ def _fmix_(x: torch.Tensor) -> torch.Tensor:
 _CPU_CHUNK = 1 << 16  # on a CPU, entries per chunk (int64: 512 KB, the working set stays in cache)
 
 
-def gumbel(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+def gumbel(keys: torch.Tensor, vocab: int, make=None) -> torch.Tensor:
     """``[*keys.shape, vocab]`` float32 Gumbel noise for position keys ``keys`` (int64, from :func:`position_key`).
     Entries are in ``[-2.8, 16.7]``: uniforms ``(k + 0.5) / 2**23`` are never 0 or 1. One batch of tensor operations
-    on a GPU; on a CPU a few positions at a time (3-6x faster past the caches' size, the same values)."""
+    on a GPU; on a CPU a few positions at a time (3-6x faster past the caches' size, the same values). ``make``: how
+    the call's runner runs :func:`uniforms_of` (a compiled runner: one region, every position at once; its integer
+    arithmetic and the uniforms are exact, so compiled code gives the same values, and the logarithms run here as
+    always: a compiled ``log`` may round its own way)."""
     flat = keys.reshape(-1)
+    vocab_keys = _vocab_keys(vocab, keys.device)
+    if make is not None:
+        return make(flat, vocab_keys).log_().neg_().log_().neg_().view(*keys.shape, vocab)
     rows = max(1, _CPU_CHUNK // vocab) if keys.device.type == "cpu" else flat.numel()
-    parts = []
-    for i in range(0, flat.numel(), rows):
-        x = _fmix_(flat[i:i + rows, None] ^ _vocab_keys(vocab, keys.device))
-        u = x.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(2.0 ** -23)
-        parts.append(u.log_().neg_().log_().neg_())
+    parts = [uniforms_of(flat[i:i + rows], vocab_keys).log_().neg_().log_().neg_()
+             for i in range(0, flat.numel(), rows)]
     return (parts[0] if len(parts) == 1 else torch.cat(parts)).view(*keys.shape, vocab)
+
+
+def uniforms_of(keys: torch.LongTensor, vocab_keys: torch.LongTensor) -> torch.Tensor:
+    """:func:`gumbel`'s uniforms: ``[n, V]`` float32 ``(k + 0.5) / 2**23`` for the position keys ``keys [n]`` and the
+    vocabulary's keys (exact in any code: integer arithmetic, and a 23-bit integer plus a half scaled by a power of
+    2)."""
+    x = _fmix_(keys[:, None] ^ vocab_keys)
+    return x.bitwise_right_shift_(9).to(torch.float32).add_(0.5).mul_(2.0 ** -23)
 
 
 def call_seed(seed: int | None = None, generator: torch.Generator | None = None) -> int:
@@ -152,8 +163,9 @@ class CoupledNoise:
     row ``b`` at generated position ``starts[b] + j`` (0 = the first new token). Positions already made for the
     previous block are reused; the rest are made in one batch of tensor operations."""
 
-    def __init__(self, seed: int, batch_size: int, vocab: int, device):
+    def __init__(self, seed: int, batch_size: int, vocab: int, device, make=None):
         self.seed, self.batch_size, self.vocab, self.device = seed, batch_size, vocab, torch.device(device)
+        self.make = make  # how uniforms_of runs (gumbel's make: the call's runner's way), None: gumbel's own
         self._starts: list[int] | None = None
         self._block: torch.Tensor | None = None
         self.positions_made = 0
@@ -177,7 +189,7 @@ class CoupledNoise:
                 else:
                     index.append(base + len(fresh))
                     fresh.append(position_key(self.seed, b, s + j))
-        made = gumbel(to_device(fresh, self.device), self.vocab) if fresh else None
+        made = gumbel(to_device(fresh, self.device), self.vocab, self.make) if fresh else None
         if old is None or len(fresh) == len(index):
             noise = made.view(self.batch_size, width, self.vocab)
         else:

@@ -353,7 +353,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     stats.target_forward_passes += 1
     first_scores = state.processors(input_ids, first_logits)
     if stats.sampling == "coupled":
-        state.coupling = CoupledNoise(stats.seed, state.batch_size, first_logits.shape[-1], state.device)
+        state.coupling = CoupledNoise(stats.seed, state.batch_size, first_logits.shape[-1], state.device,
+                                      make=target.runner.noise_maker())
         first = (first_scores + state.noise(1)[:, 0]).argmax(-1)
     elif state.do_sample:
         first = torch.multinomial(torch.softmax(first_scores, dim=-1), 1)[:, 0]

@@ -217,6 +217,11 @@ class TargetRunner:
         region by the compiled runner (:meth:`hf_specdec.compiled.CompiledRunner.fused`, which reads ``oblivious``)."""
         return fn
 
+    def noise_maker(self):
+        """How coupled sampling makes its noise (:func:`hf_specdec.coupling.gumbel`'s ``make``): ``None``, its own
+        way here; one compiled region for the compiled runner."""
+        return None
+
     def fixed(self, fn):
         """``fn(owner, *tensors)`` at fixed shapes as this runner runs it: itself here; compiled per shape, and a CUDA
         graph per shape on a GPU, by the compiled runner (:class:`hf_specdec.graphs.FixedShapeRegion`)."""

@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from .graphs import dense
 from .tree import DraftTree
 
 
@@ -107,7 +108,8 @@ def accept(
     if typical is not None and not do_sample:
         raise ValueError("typical acceptance is a sampling rule; greedy decoding is always exact.")
     if noise is not None and (process is None or warp is not None):
-        return _coupled(tree, logits, noise, warp, active, want_scores, want_logits)
+        return _coupled(tree, logits, noise, warp, active, want_scores, want_logits,
+                        fused=fused(coupled_rule, oblivious=True) if fused is not None else None)
     if not do_sample and process is None:
         return _greedy(tree, logits, active, want_scores, want_logits,
                        fused=fused(greedy_rule, oblivious=True) if fused is not None else None)
@@ -185,41 +187,24 @@ def greedy_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torc
 
 
 def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, active: list[bool],
-             want_scores: bool, want_logits: bool) -> AcceptResult:
-    """Coupled sampling's rule on the device (see the module docstring): from the root, one depth at a time for all
-    rows, the target's choice ``argmax(warp(logits at the row's node) + noise[:, d])`` and the child carrying it (the
-    first in node order) if there is one. One host read at the end. On a CPU the walk stops as soon as every row's
-    path has ended (reading a flag is free there)."""
-    bsz, n = tree.tokens.shape
-    depth = tree.max_depth()
-    rows = torch.arange(bsz, device=logits.device)
-    node = torch.zeros(bsz, dtype=torch.long, device=logits.device)
-    going = torch.ones(bsz, dtype=torch.bool, device=logits.device)
-    on_cpu = logits.device.type == "cpu"
-    nodes, choices, scored = [], [], []
-    for d in range(depth + 1):
-        raw = logits[rows, node]  # [B, V] each row's node at depth d
-        scores = warp(raw) if warp is not None else raw
-        choice = (scores + noise[:, d]).argmax(-1)
-        nodes.append(node)
-        choices.append(choice)
-        scored.append((scores, raw))
-        if d == depth:
-            break
-        child = (tree.parents == node[:, None]) & (tree.tokens == choice[:, None]) & tree.valid
-        found = child.any(1) & going
-        node = torch.where(found, child.int().argmax(1), node)
-        going = found
-        if on_cpu and not bool(going.any()):
-            break
-    kept = torch.stack(nodes, 1)  # [B, D'] the path's nodes (repeated past its end)
-    chosen = torch.stack(choices, 1)  # [B, D'] the target's choice at each of them
-    n_acc = (kept[:, 1:] != kept[:, :-1]).sum(1) if kept.shape[1] > 1 else kept.new_zeros(bsz)
-    width = kept.shape[1]
+             want_scores: bool, want_logits: bool, fused=None) -> AcceptResult:
+    """Coupled sampling's rule on the device (see the module docstring; :func:`coupled_rule`, through ``fused`` when
+    given: the runner's way of running a function of the step's tensors). One host read."""
     proposed = tree.host_drafts
-    counted = [] if proposed is not None else [tree.valid.sum(1, keepdim=True) - 1]
-    packed = torch.cat([n_acc[:, None], *counted, kept, chosen], 1).tolist()  # the step's one host read
-    at = 1 + len(counted)  # where the path's nodes start
+    rule = fused or coupled_rule
+    depth = tree.max_depth()
+    # on a CPU without a compiled rule the walk stops as soon as every row's path has ended (reading a flag is free)
+    stop_early = fused is None and logits.device.type == "cpu"
+    if fused is not None:  # compiled: a graph per depth, so the walk runs to a power of 2 (past the path: repeats)
+        depth = (1 << depth.bit_length()) - 1
+        if noise.shape[1] <= depth:  # the noise of depths past the tree's is never used: zeros
+            noise = torch.nn.functional.pad(noise, (0, 0, 0, depth + 1 - noise.shape[1]))
+        noise = dense(noise[:, :depth + 1])  # a graph is specialised to strides: a slice of a wider block is copied
+    packed, kept, scored = rule(tree.tokens, tree.parents, tree.valid, logits, noise, depth, warp,
+                                want_scores or want_logits, proposed is None, stop_early)
+    packed = packed.tolist()  # the step's one host read
+    width = kept.shape[1]
+    at = 1 + (proposed is None)  # where the path's nodes start
     paths, new_tokens = [], []
     scores = [] if want_scores else None
     raw = [] if want_logits else None
@@ -237,6 +222,43 @@ def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, a
             raw.append([scored[d][1][b] for d in range(len(path))])
     return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=drafts,
                         path_index=kept)
+
+
+def coupled_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torch.BoolTensor, logits: torch.Tensor,
+                 noise: torch.Tensor, depth: int, warp, keep_scores: bool, count_drafts: bool,
+                 stop_early: bool = False):
+    """Coupled sampling's rule over a tree's tensors: from the root, one depth at a time for all rows, the target's
+    choice ``argmax(warp(logits at the row's node) + noise[:, d])`` and the child carrying it (the first in node
+    order) if there is one. Returns ``(packed [B, ...], kept [B, D'], scored)``: per row ``[accepted, (drafts,) path
+    nodes, choices]`` (the path's nodes repeated past its end, the target's choice at each; drafts when
+    ``count_drafts``), the path's nodes, and per depth ``(scores, raw logits)`` (``keep_scores``; else empty).
+    ``stop_early``: stop once every row's path has ended (a host read per depth: eager on a CPU only)."""
+    bsz = tokens.shape[0]
+    rows = torch.arange(bsz, device=logits.device)
+    node = torch.zeros(bsz, dtype=torch.long, device=logits.device)
+    going = torch.ones(bsz, dtype=torch.bool, device=logits.device)
+    nodes, choices, scored = [], [], []
+    for d in range(depth + 1):
+        raw = logits[rows, node]  # [B, V] each row's node at depth d
+        scores = warp(raw) if warp is not None else raw
+        choice = (scores + noise[:, d]).argmax(-1)
+        nodes.append(node)
+        choices.append(choice)
+        if keep_scores:
+            scored.append((scores, raw))
+        if d == depth:
+            break
+        child = (parents == node[:, None]) & (tokens == choice[:, None]) & valid
+        found = child.any(1) & going
+        node = torch.where(found, child.int().argmax(1), node)
+        going = found
+        if stop_early and not bool(going.any()):
+            break
+    kept = torch.stack(nodes, 1)  # [B, D'] the path's nodes (repeated past its end)
+    chosen = torch.stack(choices, 1)  # [B, D'] the target's choice at each of them
+    n_acc = (kept[:, 1:] != kept[:, :-1]).sum(1) if kept.shape[1] > 1 else kept.new_zeros(bsz)
+    counted = [valid.sum(1, keepdim=True) - 1] if count_drafts else []
+    return torch.cat([n_acc[:, None], *counted, kept, chosen], 1), kept, scored
 
 
 def _result(rows: list[list[int]], n: int, logits: torch.Tensor, active: list[bool], want_scores: bool,

@@ -9,6 +9,7 @@ prints every method's figures, eager and compiled.
 import pytest
 import torch
 
+import hf_specdec
 from hf_specdec.compiled import CompiledRunner
 from hf_specdec.launches import LaunchCounter, step_range
 from test_syncs import METHODS, NEW, _inputs, _target, method
@@ -36,14 +37,18 @@ def test_step_range_costs_nothing_without_a_profiler():
     assert type(step_range()).__name__ == "nullcontext"
 
 
-def count(name: str, bsz: int = 1, compile: bool = False, calls: int = 1) -> tuple[list[LaunchCounter], dict]:
+def count(name: str, bsz: int = 1, compile: bool = False, calls: int = 1,
+          sample: bool = False) -> tuple[list[LaunchCounter], dict]:
     """The launches of ``calls`` successive greedy calls of ``name`` on a fresh target (after a first call measured
     the runner's costs), and the last call's stats. Later calls on one target may count a little less: the CPU
-    kernels check a product on its first uses before they trust it."""
+    kernels check a product on its first uses before they trust it. ``sample``: coupled sampling with warpers and a
+    fixed seed (every call takes the first one's paths), its text the ``plain`` method's."""
     model = _target()
     ids, mask = _inputs(bsz)
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
               return_dict_in_generate=True, custom_generate=method(name, model))
+    if sample:
+        kw.update(do_sample=True, temperature=0.8, top_k=20, seed=3)
     if compile:
         kw["compile"] = True
     model.generate(**kw)  # warm-up: calibration, first-use imports (and compilation)
@@ -52,8 +57,13 @@ def count(name: str, bsz: int = 1, compile: bool = False, calls: int = 1) -> tup
         with LaunchCounter() as launches:
             out = model.generate(**kw)
         counters.append(launches)
-    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None)
-    assert torch.equal(out.sequences, plain), f"{name} (compile={compile}) differs from plain greedy"
+    if sample:
+        plain = model.generate(**{**kw, "custom_generate": hf_specdec.decoding_method("plain"), "compile": False})
+        assert out.speculative_stats["sampling"] == "coupled" and torch.equal(out.sequences, plain.sequences)
+    else:
+        plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=None)
+        assert torch.equal(out.sequences, plain), f"{name} (compile={compile}) differs from plain greedy"
     return counters, out.speculative_stats
 
 
@@ -75,9 +85,9 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(CompiledRunner, "backend", "eager")
 
 
-def _at_most_40(name, bsz):
-    (eager,), _ = count(name, bsz)
-    (compiled,), _ = count(name, bsz, compile=True)
+def _at_most_40(name, bsz, sample=False):
+    (eager,), _ = count(name, bsz, sample=sample)
+    (compiled,), _ = count(name, bsz, compile=True, sample=sample)
     assert compiled.by_name["compiled region"] >= 4 * compiled.steps  # verify, mask, rule, commit (+ drafting)
     assert compiled.per_step() <= 40, compiled.by_name.most_common(8)
     assert compiled.per_step() < eager.per_step() / 2
@@ -98,6 +108,15 @@ def test_compiled_steps_launch_at_most_40(name, bsz, eager_backend):
 def test_every_method_compiled_launches_at_most_40(name, bsz, eager_backend):
     """Every method at batch 1 and a padded batch of 8 (``pytest --extended``: several minutes of compilation)."""
     _at_most_40(name, bsz)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("bsz", [1, 8])
+@pytest.mark.parametrize("name", ["prompt_lookup", "eagle3", "mtp"])
+def test_coupled_sampling_compiled_launches_at_most_40(name, bsz, eager_backend):
+    """Coupled sampling under compile=True: its rule (verify.coupled_rule, walked to a power-of-2 depth) and its
+    noise's uniforms (coupling.uniforms_of) compiled regions too; the text the plain method's for the seed."""
+    _at_most_40(name, bsz, sample=True)
 
 
 if __name__ == "__main__":  # the figures: python tests/test_launches.py
