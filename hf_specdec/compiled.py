@@ -117,6 +117,7 @@ class CompiledSession(TargetSession):
         self._parts: list | None = None  # the proposers whose propose runs compiled for the call
         self._fixed_parts: list = []  # those drafting at fixed shapes for the call (hf_specdec.graphs)
         self._max_nodes = 1  # the proposer's largest tree (root included): the sizes compiled on first use
+        self._max_path = 1  # its longest path (root included): the commit's sizes compiled on first use
         self._cache_device = None  # the static cache's one device, False if several (set on the first commit)
         self._tensor_masks: bool | None = None  # the call's tree masks are tensors (set on first verification)
         self._columns = None  # the static cache's tensors as the commit region writes into them (StaticColumns)
@@ -135,6 +136,7 @@ class CompiledSession(TargetSession):
         through their compiled ``propose`` (:meth:`CompiledRunner.fused`), set on the instances for the call."""
         if self._parts is None:
             self._max_nodes = max(1, proposer.max_nodes)
+            self._max_path = max(1, min(proposer.max_path or self._max_nodes, self._max_nodes))
             parts = proposer.network_parts()
             self._fixed_parts = [part for part in parts if part.draft_at_fixed_shapes(self.runner)]
             self._parts = [part for part in parts if part not in self._fixed_parts]
@@ -164,7 +166,7 @@ class CompiledSession(TargetSession):
         if not region.warmed(owner, ("commit", bsz, k)):
             # every size the call's trees may keep, on first use: with an identity index (nothing moves), so that a
             # graph's warm-up runs (two on a GPU) do not apply the step's permutation of columns twice
-            for size in sorted({bucket_size(n) for n in range(1, self._max_nodes + 1)} | {k}):
+            for size in sorted({bucket_size(n) for n in range(1, self._max_path + 1)} | {k}):
                 region.warm(owner, ("commit", bsz, size), [size],
                             lambda n: region(owner, to_device([start, 1], device), self._identity(bsz, n, device)))
         if index is None:  # the kept paths are prefixes: the columns stay where they are

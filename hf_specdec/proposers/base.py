@@ -102,6 +102,8 @@ class Proposer:
             layer ``i``) that the proposer needs from every target forward, or ``None``. They arrive in
             ``begin``/``commit`` through ``state.hidden_states``.
         max_nodes: upper bound of the tree size ``N`` it proposes (root included); sizes static caches.
+        max_path: upper bound of a path's length in its trees (root included; ``None``: ``max_nodes``): the most
+            columns a step keeps, whose sizes ``compile=True`` compiles up front (a longer path only compiles later).
         name: the method name used in statistics and error messages.
         typical_acceptance: ``(threshold, alpha)`` to verify with Medusa's typical acceptance (lossy, sampling
             only; :func:`hf_specdec.verify.accept`), or ``None`` for the exact rules.
@@ -116,6 +118,7 @@ class Proposer:
     rules: Rules = ALL_ON
     typical_acceptance: tuple[float, float] | None = None
     max_nodes: int = 1
+    max_path: int | None = None
     name: str = "proposer"
     merges_rows: bool = True
     _fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)

@@ -67,6 +67,7 @@ class DFlashProposer(FeatureDrafterProposer):
         self.block_size = size
         self.tree_budget = tree_budget
         self.max_nodes = tree_budget + 1 if tree_budget else size
+        self.max_path = min(size, self.max_nodes)  # a block drafts size - 1 tokens: no path is deeper
 
     def hidden_state_ids(self, layer_ids):
         return [i + 1 for i in layer_ids]  # the drafter names layers; their outputs are hidden_states[i + 1]

@@ -83,6 +83,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         self.chain = num_speculative_tokens
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
         self.max_nodes = (num_speculative_tokens + 1) if num_speculative_tokens else total_tokens
+        self.max_path = (num_speculative_tokens + 1) if num_speculative_tokens else min(depth + 1, total_tokens)
         self._candidate_facts: dict = {}  # (device, depth) -> :meth:`_candidates`; (k, device, dtype) -> :meth:`_own`
 
     # ---- drafting at fixed shapes (compile=True: hf_specdec.graphs)

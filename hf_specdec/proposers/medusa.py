@@ -114,6 +114,7 @@ class MedusaProposer(FeatureDrafterProposer):
         self.max_nodes = len(self.choices) + 1
         self.top_k = 1 + max(max(p) for p in self.choices)
         self.depth = max(len(p) for p in self.choices)
+        self.max_path = self.depth + 1
         index = {p: i for i, p in enumerate(self.choices)}
         self._parent = [index[p[:-1]] if len(p) > 1 else -1 for p in self.choices]  # [P] pool index (-1: the root)
         self._indices: dict = {}  # (device, depth, k) -> the pool's index tensors (:meth:`_index`)
