@@ -411,7 +411,8 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             on_device = (not state.do_sample and process is None) or warp is not None
             prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
             result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
-                            typical=typical, noise=noise, warp=warp, fused=target.runner.fused)
+                            typical=typical, noise=noise, warp=warp, fused=target.runner.fused,
+                            deepest=(proposer.max_path or proposer.max_nodes) - 1)
             elapsed = time.perf_counter() - t0
             stats.verify_seconds += elapsed
             stats.target_forward_passes += 1

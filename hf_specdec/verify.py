@@ -30,6 +30,7 @@ top-p, repetition penalty, ...), each applied with the node's own prefix.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,6 +87,7 @@ def accept(
     noise: torch.Tensor | None = None,
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None,
     fused: Callable | None = None,
+    deepest: int = 0,
 ) -> AcceptResult:
     """Apply the acceptance rule to a verified tree.
 
@@ -104,12 +106,15 @@ def accept(
             not used).
         fused: how the runner runs a function of the step's tensors (:meth:`~hf_specdec.runners.TargetRunner.fused`:
             the compiled runner compiles the greedy rule into one region), or ``None``.
+        deepest: the deepest tree the call may verify (its proposer's longest path less the root): a compiled coupled
+            rule compiles every depth it walks up to that one at its first use (so that a later step or call of
+            deeper trees compiles nothing).
     """
     if typical is not None and not do_sample:
         raise ValueError("typical acceptance is a sampling rule; greedy decoding is always exact.")
     if noise is not None and (process is None or warp is not None):
         return _coupled(tree, logits, noise, warp, active, want_scores, want_logits,
-                        fused=fused(coupled_rule, oblivious=True) if fused is not None else None)
+                        fused=fused(coupled_rule, oblivious=True) if fused is not None else None, deepest=deepest)
     if not do_sample and process is None:
         return _greedy(tree, logits, active, want_scores, want_logits,
                        fused=fused(greedy_rule, oblivious=True) if fused is not None else None)
@@ -187,7 +192,7 @@ def greedy_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torc
 
 
 def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, active: list[bool],
-             want_scores: bool, want_logits: bool, fused=None) -> AcceptResult:
+             want_scores: bool, want_logits: bool, fused=None, deepest: int = 0) -> AcceptResult:
     """Coupled sampling's rule on the device (see the module docstring; :func:`coupled_rule`, through ``fused`` when
     given: the runner's way of running a function of the step's tensors). One host read."""
     proposed = tree.host_drafts
@@ -196,8 +201,17 @@ def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, a
     # on a CPU without a compiled rule the walk stops as soon as every row's path has ended (reading a flag is free)
     stop_early = fused is None and logits.device.type == "cpu"
     if fused is not None:  # compiled: a graph per depth, so the walk runs to a power of 2 (past the path: repeats)
-        depth = (1 << depth.bit_length()) - 1
-        if noise.shape[1] <= depth:  # the noise of depths past the tree's is never used: zeros
+        depth = _walked(depth)
+        key = (warp is None, want_scores or want_logits, proposed is None)
+        walks = _WALKS.setdefault(fused, {}).setdefault(key, set())
+        if depth not in walks:  # first met: every walk up to the call's deepest tree compiled now (results unused)
+            top = max(depth, _walked(deepest))
+            noise = torch.nn.functional.pad(noise, (0, 0, 0, max(0, top + 1 - noise.shape[1])))
+            for d in sorted({_walked((1 << b) - 1) for b in range(top.bit_length() + 1)} - walks - {depth}):
+                rule(tree.tokens, tree.parents, tree.valid, logits, dense(noise[:, :d + 1]), d, warp, *key[1:])
+                walks.add(d)
+            walks.add(depth)
+        elif noise.shape[1] <= depth:  # the noise of depths past the tree's is never used: zeros
             noise = torch.nn.functional.pad(noise, (0, 0, 0, depth + 1 - noise.shape[1]))
         noise = dense(noise[:, :depth + 1])  # a graph is specialised to strides: a slice of a wider block is copied
     packed, kept, scored = rule(tree.tokens, tree.parents, tree.valid, logits, noise, depth, warp,
@@ -222,6 +236,14 @@ def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, a
             raw.append([scored[d][1][b] for d in range(len(path))])
     return AcceptResult(paths=paths, new_tokens=new_tokens, scores=scores, logits=raw, proposed=drafts,
                         path_index=kept)
+
+
+_WALKS = weakref.WeakKeyDictionary()  # a compiled coupled rule -> {its variant: the depths it walked (compiled)}
+
+
+def _walked(depth: int) -> int:
+    """The depth a compiled coupled rule walks for a tree of ``depth``: the next power of 2 less one."""
+    return (1 << depth.bit_length()) - 1
 
 
 def coupled_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torch.BoolTensor, logits: torch.Tensor,

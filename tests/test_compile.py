@@ -206,6 +206,9 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
     ref, _ = _run(target, hf_specdec.decoding_method("plain"), bsz, seed=11)
     out, stats = _run(target, method, bsz, seed=11, compile=True)
     assert out == ref and stats["sampling"] == "coupled" and stats["proposed_drafts"] > 0
+    # the coupled rule's walks (to a power-of-2 depth) up to the tree's depth (3) compiled at its first use
+    from hf_specdec.verify import _WALKS, coupled_rule
+    assert all(walks >= {0, 1, 3} for walks in _WALKS[runner.compiled_fns[coupled_rule]].values())
 
 
 class _ReplayOnTheCpu:
