@@ -136,7 +136,7 @@ class CompiledSession(TargetSession):
         through their compiled ``propose`` (:meth:`CompiledRunner.fused`), set on the instances for the call."""
         if self._parts is None:
             self._max_nodes = max(1, proposer.max_nodes)
-            self._max_path = max(1, min(proposer.max_path or self._max_nodes, self._max_nodes))
+            self._max_path = proposer.longest_path()
             parts = proposer.network_parts()
             self._fixed_parts = [part for part in parts if part.draft_at_fixed_shapes(self.runner)]
             self._parts = [part for part in parts if part not in self._fixed_parts]

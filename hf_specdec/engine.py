@@ -373,6 +373,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     process = state.process_fn()
     # coupled sampling with warpers only: verified on the device, the warpers applied to a depth's nodes at once
     coupled_warp = functools.partial(apply_warpers, state.processors) if state.warpers_only else None
+    deepest = proposer.longest_path() - 1  # the deepest tree a step may verify
     timer = StepTimer(state.device)
 
     while any(state.active):
@@ -411,8 +412,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             on_device = (not state.do_sample and process is None) or warp is not None
             prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
             result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
-                            typical=typical, noise=noise, warp=warp, fused=target.runner.fused,
-                            deepest=(proposer.max_path or proposer.max_nodes) - 1)
+                            typical=typical, noise=noise, warp=warp, fused=target.runner.fused, deepest=deepest)
             elapsed = time.perf_counter() - t0
             stats.verify_seconds += elapsed
             stats.target_forward_passes += 1

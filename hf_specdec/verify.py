@@ -204,15 +204,14 @@ def _coupled(tree: DraftTree, logits: torch.Tensor, noise: torch.Tensor, warp, a
         depth = _walked(depth)
         key = (warp is None, want_scores or want_logits, proposed is None)
         walks = _WALKS.setdefault(fused, {}).setdefault(key, set())
-        if depth not in walks:  # first met: every walk up to the call's deepest tree compiled now (results unused)
-            top = max(depth, _walked(deepest))
-            noise = torch.nn.functional.pad(noise, (0, 0, 0, max(0, top + 1 - noise.shape[1])))
-            for d in sorted({_walked((1 << b) - 1) for b in range(top.bit_length() + 1)} - walks - {depth}):
-                rule(tree.tokens, tree.parents, tree.valid, logits, dense(noise[:, :d + 1]), d, warp, *key[1:])
-                walks.add(d)
-            walks.add(depth)
-        elif noise.shape[1] <= depth:  # the noise of depths past the tree's is never used: zeros
-            noise = torch.nn.functional.pad(noise, (0, 0, 0, depth + 1 - noise.shape[1]))
+        # first met: every walk up to the call's deepest tree compiled now (their results unused)
+        top = depth if depth in walks else max(depth, _walked(deepest))
+        if noise.shape[1] <= top:  # the noise of depths past the tree's is never used: zeros
+            noise = torch.nn.functional.pad(noise, (0, 0, 0, top + 1 - noise.shape[1]))
+        for d in sorted({(1 << b) - 1 for b in range(top.bit_length() + 1)} - walks - {depth}):
+            rule(tree.tokens, tree.parents, tree.valid, logits, dense(noise[:, :d + 1]), d, warp, *key[1:])
+            walks.add(d)
+        walks.add(depth)
         noise = dense(noise[:, :depth + 1])  # a graph is specialised to strides: a slice of a wider block is copied
     packed, kept, scored = rule(tree.tokens, tree.parents, tree.valid, logits, noise, depth, warp,
                                 want_scores or want_logits, proposed is None, stop_early)

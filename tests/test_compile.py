@@ -138,7 +138,7 @@ def _eagle3(target):
 # (over the target's own cache) with an exit adapter and the adapter's feeds (Medusa:
 # test_sampling_with_a_compiled_proposal)
 # the regions compiled per method (the loop's cache commit, commit_columns: a graph per bucket of kept columns, every
-# bucket up to the proposer's largest tree's warmed at the first commit)
+# bucket up to the proposer's longest path warmed at the first commit)
 FIXED = {"eagle3": {"_feed_region": 5, "_expand_fixed": 3, "commit_columns": 3},
          "dflash_tree": {"_block_region": 5, "commit_columns": 3},
          "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2, "commit_columns": 3},

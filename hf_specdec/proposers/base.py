@@ -102,8 +102,9 @@ class Proposer:
             layer ``i``) that the proposer needs from every target forward, or ``None``. They arrive in
             ``begin``/``commit`` through ``state.hidden_states``.
         max_nodes: upper bound of the tree size ``N`` it proposes (root included); sizes static caches.
-        max_path: upper bound of a path's length in its trees (root included; ``None``: ``max_nodes``): the most
-            columns a step keeps, whose sizes ``compile=True`` compiles up front (a longer path only compiles later).
+        max_path: upper bound of a path's length in its trees (root included; ``None``: ``max_nodes``; read through
+            :meth:`longest_path`): the most columns a step keeps, whose sizes ``compile=True`` compiles up front (a
+            longer path only compiles later).
         name: the method name used in statistics and error messages.
         typical_acceptance: ``(threshold, alpha)`` to verify with Medusa's typical acceptance (lossy, sampling
             only; :func:`hf_specdec.verify.accept`), or ``None`` for the exact rules.
@@ -122,6 +123,10 @@ class Proposer:
     name: str = "proposer"
     merges_rows: bool = True
     _fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
+
+    def longest_path(self) -> int:
+        """The longest path its trees may have, root included (:attr:`max_path`, at most :attr:`max_nodes`)."""
+        return max(1, min(self.max_path or self.max_nodes, self.max_nodes))
 
     def draft_modules(self) -> list:
         """The modules only drafting runs (default: ``self.drafter`` when it is one). The target runner may give
