@@ -416,3 +416,89 @@ class CacheLayout:
             tokens=self.tokens.gather(1, index),
             counts=self.counts,
         )
+
+
+class BufferedLayout(CacheLayout):
+    """A :class:`CacheLayout` held in ``[B, width]`` buffers (``width``: the static cache's), for ``compile=True``:
+    its ``valid`` / ``positions`` / ``tokens`` are views of their first :attr:`length` columns (what every reader of a
+    layout reads), while the fixed-shape regions of the step read and write the whole buffers, at the same addresses
+    every step and call (:mod:`hf_specdec.compiled`): the tree's mask reads them, the acceptance rule writes the kept
+    paths' columns (:func:`write_path_columns`), then the host moves :attr:`length` on (:meth:`advance`). Kept by the
+    compiled runner for later calls of the batch size (:meth:`load` fills it in place)."""
+
+    __hash__ = object.__hash__  # a graph's key (hf_specdec.graphs): by identity, as its buffers
+    __eq__ = object.__eq__
+
+    def __init__(self, batch_size: int, width: int, device):
+        self.buffers = (torch.zeros(batch_size, width, dtype=torch.bool, device=device),
+                        torch.zeros(batch_size, width, dtype=torch.long, device=device),
+                        torch.zeros(batch_size, width, dtype=torch.long, device=device))
+        self.counts = None
+        self._length = 0
+        self._views = None
+
+    def load(self, layout: CacheLayout) -> "BufferedLayout":
+        """Hold ``layout``'s columns (copied into the buffers) and its counts."""
+        self._fill(layout.valid, layout.positions, layout.tokens)
+        self.counts = layout.counts
+        return self
+
+    def graph_key(self):
+        return (self, *(id(t) for t in self.buffers))
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def valid(self) -> torch.BoolTensor:
+        return self._view(0)
+
+    @property
+    def positions(self) -> torch.LongTensor:
+        return self._view(1)
+
+    @property
+    def tokens(self) -> torch.LongTensor:
+        return self._view(2)
+
+    def _view(self, i: int) -> torch.Tensor:
+        if self._views is None or self._views[0] != self._length:  # views, made once per length
+            self._views = (self._length, tuple(buf[:, :self._length] for buf in self.buffers))
+        return self._views[1][i]
+
+    def _fill(self, *tensors) -> None:
+        length = tensors[0].shape[1]
+        for buf, t in zip(self.buffers, tensors):
+            buf[:, :length] = t
+        self._length = length
+
+    def advance(self, width: int, counts: list[int]) -> None:
+        """After :func:`write_path_columns` wrote a step's kept paths: ``width`` more columns, of which ``counts``
+        real per row (host data)."""
+        self._length += width
+        if self.counts is not None:
+            self.counts = [a + b for a, b in zip(self.counts, counts)]
+
+    def grow(self, valid, positions, tokens, counts=None) -> None:
+        self._fill(valid, positions, tokens)
+        if self.counts is not None:
+            self.counts = [a + b for a, b in zip(self.counts, counts)] if counts is not None else None
+
+    def gather(self, index: torch.LongTensor) -> "BufferedLayout":
+        """A compaction, in place: the columns ``index [B, T']`` moved to the front."""
+        self._fill(*(buf.gather(1, index) for buf in self.buffers))
+        return self
+
+
+def write_path_columns(layout: BufferedLayout, start: torch.LongTensor, tokens: torch.LongTensor,
+                       path: torch.LongTensor, kept: torch.LongTensor, root_positions: torch.LongTensor) -> None:
+    """A verified tree's kept paths into ``layout``'s buffers (inside a fixed-shape region; :func:`path_columns` for a
+    :class:`BufferedLayout`): column ``start + j`` of row ``b`` (``start`` a 0-d tensor) holds node ``path[b, j]``
+    (``[B, K]``, the path's nodes in depth order), at position ``root_position + j``, real for ``j < kept[b]``."""
+    valid, positions, toks = layout.buffers
+    j = torch.arange(path.shape[1], device=path.device)
+    columns = start + j
+    valid.index_copy_(1, columns, j[None, :] < kept[:, None])
+    positions.index_copy_(1, columns, root_positions[:, None] + j)
+    toks.index_copy_(1, columns, tokens.gather(1, path))

@@ -20,15 +20,22 @@ change size every step and a dynamic cache grows by a column per token. So, with
   DFlash, Medusa, draft models, LayerSkip) runs its drafter's forwards through :meth:`CompiledRunner.fixed`
   (:mod:`hf_specdec.graphs`: compiled at fixed shapes, a CUDA graph per shape on a GPU, over a drafter cache the runner
   keeps for later calls);
-* the cache commit after each verification (every layer's accepted columns moved into place, its length set) is one
-  fixed-shape region too (:func:`hf_specdec.cache.commit_columns`, a graph per bucket of kept columns over the kept
-  static cache: on a GPU one replay where it launched kernels per layer);
+* the loop's own step is fixed-shape regions too, over a layout held at the static cache's width
+  (:class:`~hf_specdec.cache.BufferedLayout`, :meth:`CompiledSession.hold`): the tree padded to its verification
+  width in one copy (:meth:`~hf_specdec.tree.DraftTree.packed`; its padding nodes are not valid, so no node sees them
+  and no rule keeps them), its mask and positions (:func:`~hf_specdec.tree.buffered_tree_inputs`), the forward over
+  the padded tree, the greedy or coupled rule over the padded tree's logits, which also writes the kept paths into the
+  layout's buffers (:func:`greedy_step`, :func:`coupled_step`), and the cache commit (every layer's accepted columns
+  moved into place, its length set: :func:`hf_specdec.cache.commit_columns`, a graph per bucket of kept columns over
+  the kept static cache). The tree's mask and the greedy rule compile every bucket up to the proposer's largest tree
+  on first use, the commit every bucket up to its longest path; where the step cannot run so (flex attention's
+  BlockMasks, a cache over several devices, LayerSkip's resumed verification) it runs as before this existed;
 * the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every other method
   that drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed
-  from its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), and the loop's functions of tensors (the tree's
-  mask, the greedy rule, the layout's new columns). The host bookkeeping inside a proposal (lists of committed tokens,
+  from its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), the noise of coupled sampling, and the step's
+  functions of tensors where the step is not fixed. The host bookkeeping inside a proposal (lists of committed tokens,
   the rows' budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length.
-  The prefill runs eagerly.
+  ``hf_specdec.launches.LaunchCounter.dynamic`` counts the dynamic regions left in a step. The prefill runs eagerly.
 
 On a CPU the CPU kernel runner's products are not used (the compiled forward is the model's own code). In float32
 the outputs are the target's own greedy outputs as everywhere; in half precision a compiled forward rounds its own
@@ -57,10 +64,12 @@ from .attention import TENSOR, tree_mask_format
 from .coupling import uniforms_of
 from .dtypes import HALF
 from .graphs import FixedShapeRegion, dense
+from .launches import DYNAMIC, step_range
 from .placement import drafter_device
 from .runners import TargetRunner, TargetSession, device_type_of, logger
 from .syncs import to_device
-from .tree import tree_inputs
+from .tree import DraftTree, _ancestors, _depths, buffered_tree_inputs, tree_inputs, unpack_tree
+from .verify import coupled_rule, greedy_rule
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # verification sizes; past the last one, multiples of it
 # graphs per compiled function before dynamo runs it eagerly: dynamo keys its graphs by code object, so every model of
@@ -118,10 +127,12 @@ class CompiledSession(TargetSession):
         self._fixed_parts: list = []  # those drafting at fixed shapes for the call (hf_specdec.graphs)
         self._max_nodes = 1  # the proposer's largest tree (root included): the sizes compiled on first use
         self._max_path = 1  # its longest path (root included): the commit's sizes compiled on first use
-        self._cache_device = None  # the static cache's one device, False if several (set on the first commit)
+        self._cache_device = None  # the static cache's one device, False if several (set after the prefill)
         self._tensor_masks: bool | None = None  # the call's tree masks are tensors (set on first verification)
         self._columns = None  # the static cache's tensors as the commit region writes into them (StaticColumns)
-        self._constants: dict = {}  # the identity indices of the commit region, per shape
+        self._constants: dict = {}  # the identity indices of the commit region, the trees' padding, per shape
+        self._step = None  # a fixed-shape step's (padded tree, its logits, the rule's tensors), set by verify
+        self._written = False  # the step's rule wrote the layout's new columns (a fixed-shape step)
 
     def __exit__(self, *exc) -> None:
         for part in self._parts or ():
@@ -147,18 +158,132 @@ class CompiledSession(TargetSession):
             warnings.filterwarnings("ignore", "Dynamo does not know how to trace the builtin `time.", UserWarning)
             return proposer.propose(state)
 
+    def hold(self, layout):
+        """A :class:`~hf_specdec.cache.BufferedLayout` (the runner's, for the batch size) holding ``layout``, where the
+        step runs at fixed shapes: tensor masks (not flex's BlockMasks) and the static cache on the layout's device."""
+        if self._masks_are_tensors() and self._one_device() == layout.valid.device:
+            key = (layout.valid.shape[0], self.kv_width, str(layout.valid.device))
+            kept = self.runner.layouts
+            buffered = kept.pop(key, None) or cache_ops.BufferedLayout(*key[:2], layout.valid.device)
+            kept[key] = buffered
+            while len(kept) > self.runner.KEPT_CACHES:
+                kept.pop(next(iter(kept)))
+            return buffered.load(layout)
+        return layout
+
     def verify(self, state, tree):
         self._past = state.layout.length
+        self._step, self._written = None, False
+        if isinstance(state.layout, cache_ops.BufferedLayout) and tree.resume is None:
+            return self._verify_fixed(state, tree)
         return super().verify(state, tree)
 
-    def keep_columns(self, start: int, index, width: int) -> None:
-        layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
-        if self._cache_device is None:  # after the prefill every layer is filled: decided once per call
+    def _verify_fixed(self, state, tree):
+        """:meth:`verify` at fixed shapes: the tree padded to its verification width (a bucket, fewer where the cache
+        has no room) in one copy (:meth:`~hf_specdec.tree.DraftTree.packed`), its mask and positions over the
+        layout's buffers one region (:func:`~hf_specdec.tree.buffered_tree_inputs`), the forward over the padded
+        tree; its rule then runs over the padded tree too (:meth:`rule_inputs`). Returns the ``N`` real nodes'
+        logits and hidden states."""
+        q, bsz, device = tree.num_nodes, tree.batch_size, state.layout.buffers[0].device
+        n = max(q, min(bucket_size(q), self.kv_width - self._past))
+        packed = tree.packed(n, self._constant(("zeros", bsz, n - q), lambda: torch.zeros(
+            bsz, n - q, dtype=torch.long, device=device)) if n > q else None)
+        scalars = to_device([self._past, *(int(a) for a in state.active)], device)  # [1 + B] start, active rows
+        region, layout, chain = self.runner.fixed(buffered_tree_inputs), state.layout, tree.is_chain
+
+        def tree_inputs_of(p):
+            return region(layout, p, scalars, state.root_positions, self.text_config, chain, self.dtype)
+
+        sizes = self._sizes(n)
+        region.warm(layout, ("tree", bsz, chain), sizes, lambda w: tree_inputs_of(self._root_only(bsz, w, device)))
+        tokens, valid, anc, depths, positions, mask = tree_inputs_of(packed)
+        tree.set_facts(anc[:, :q, :q], depths[:, :q])
+        out = self.forward(tokens, mask, positions)
+        if state.coupling is None and not state.do_sample:  # the greedy rule's sizes too, before its first use
+            rule, count = self.runner.fixed(greedy_step), not (chain and tree.host_drafts is not None)
+            vocab = out.logits.shape[-1]
+            rule.warm(layout, ("greedy", bsz, chain, count), sizes, lambda w: rule(
+                layout, self._root_only(bsz, w, device), torch.zeros(bsz, w, vocab, device=device), scalars,
+                state.root_positions, chain, count))
+        padded = DraftTree(tokens=tokens, parents=packed[:, n:2 * n], valid=valid, is_chain=tree.is_chain,
+                           host_drafts=tree.host_drafts, host_depth=tree.host_depth)
+        padded.set_facts(anc, depths)
+        logits = out.logits.float()
+        self._step = (padded, logits, (state.layout, packed, scalars, state.root_positions))
+        hidden = self._hidden(out)
+        if hidden is not None and n > q:
+            hidden = tuple(h if h is None else h[:, :q] for h in hidden)
+        return (logits[:, :q] if n > q else logits), hidden
+
+    def _sizes(self, n: int) -> list[int]:
+        """The tree widths the step's regions are compiled at on first use: ``n`` and every bucket up to the
+        proposer's largest tree that the cache has room for (as :meth:`_warm` for the forward)."""
+        room = self.kv_width - self._past
+        return sorted({n} | {bucket_size(m) for m in range(1, self._max_nodes + 1) if bucket_size(m) <= room})
+
+    def _root_only(self, bsz: int, width: int, device) -> torch.LongTensor:
+        """A packed tree of ``width`` nodes of which only the root is valid (what warms a region's size up)."""
+        def make():
+            packed = torch.zeros(bsz, 3 * width, dtype=torch.long, device=device)
+            packed[:, 2 * width] = 1
+            return packed
+
+        return self._constant(("root only", bsz, width), make)
+
+    def rule_inputs(self, tree, logits, on_device: bool):
+        """After a fixed-shape verification, for a rule on the device: the padded tree and its logits, and the rule
+        as a fixed-shape region that also writes the kept paths' layout columns (:func:`greedy_step`,
+        :func:`coupled_step`)."""
+        if self._step is None or not on_device:
+            return super().rule_inputs(tree, logits, on_device)
+        padded, padded_logits, tensors = self._step
+        return padded, padded_logits, functools.partial(self._rule, tensors)
+
+    def _rule(self, tensors, fn, oblivious: bool = False):
+        """How :func:`~hf_specdec.verify.accept` runs ``fn`` after a fixed-shape verification: its rules as
+        :class:`StepRule` s (one per rule and runner: a coupled rule's compiled walks are recorded per rule object),
+        anything else as the runner's ``fused``."""
+        if fn not in STEP_RULES:
+            return self.runner.fused(fn, oblivious)
+        key = (fn, "step")
+        if key not in self.runner.compiled_fns:
+            self.runner.compiled_fns[key] = StepRule(self.runner.fixed(STEP_RULES[fn]), fn)
+        rule = self.runner.compiled_fns[key]
+        rule.session, rule.tensors = self, tensors
+        return rule
+
+    def keep_accepted(self, state, tree, result, past: int) -> None:
+        if not self._written:
+            return super().keep_accepted(state, tree, result, past)
+        kept = [len(p) for p in result.paths]
+        width = max(kept)
+        self.keep_columns(past, None if result.is_prefix_paths() else result.path_index[:, :width], width)
+        state.layout.advance(width, kept)  # its columns were written by the rule (write_path_columns)
+
+    def _masks_are_tensors(self) -> bool:
+        if self._tensor_masks is None:  # the call's attention (switched for the call on entering the session)
+            self._tensor_masks = tree_mask_format(self.text_config) == TENSOR
+        return self._tensor_masks
+
+    def _one_device(self):
+        """The static cache's one device, or False when its layers lie on several (decided once per call, after the
+        prefill filled every layer)."""
+        if self._cache_device is None:
+            layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
             devices = {layer.keys.device for layer in layers}
             one = len(devices) == 1 and all(isinstance(layer, StaticLayer) for layer in layers)
             self._cache_device = devices.pop() if one else False
-        if self._cache_device is False:  # layers placed on several devices: one at a time
+        return self._cache_device
+
+    def _constant(self, key, make):
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
+
+    def keep_columns(self, start: int, index, width: int) -> None:
+        if self._one_device() is False:  # layers placed on several devices: one at a time
             return super().keep_columns(start, index, width)
+        layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
         if self._columns is None or self._columns.cache is not self.cache:
             self._columns = cache_ops.StaticColumns(self.cache, layers)
         owner, device, bsz, k = self._columns, self._cache_device, layers[0].keys.shape[0], bucket_size(width)
@@ -178,15 +303,10 @@ class CompiledSession(TargetSession):
 
     def _identity(self, bsz: int, k: int, device) -> torch.LongTensor:
         """``[bsz, k]`` column indices ``0..k-1`` (made once per shape and call)."""
-        key = ("identity", bsz, k)
-        if key not in self._constants:
-            self._constants[key] = torch.arange(k, device=device).expand(bsz, k).contiguous()
-        return self._constants[key]
+        return self._constant(("identity", bsz, k), lambda: torch.arange(k, device=device).expand(bsz, k).contiguous())
 
     def _tree_inputs(self, state, tree):
-        if self._tensor_masks is None:  # the call's attention (switched for the call on entering the session)
-            self._tensor_masks = tree_mask_format(self.text_config) == TENSOR
-        if not self._tensor_masks:  # a flex BlockMask is built outside compiled code
+        if not self._masks_are_tensors():  # a flex BlockMask is built outside compiled code
             return super()._tree_inputs(state, tree)
         anc, depths, positions, mask = self.runner.fused(tree_inputs)(
             self.text_config, tree.parents, tree.valid, tree.is_chain, state.root_positions, state.layout.valid,
@@ -258,6 +378,54 @@ class CompiledSession(TargetSession):
                                         **self.forward_kwargs)
 
 
+def greedy_step(layout, packed, logits, scalars, root_positions, chain: bool, count_drafts: bool):
+    """:func:`~hf_specdec.verify.greedy_rule` over a tree padded to ``n`` nodes (``packed [B, 3n]``, its logits ``[B,
+    n, V]``) at fixed shapes, its kept paths written into ``layout`` after column ``scalars[0]`` (rows whose
+    ``scalars[1 + b]`` is 0, stopped ones, keep none): a region the compiled runner replays as one CUDA graph."""
+    tokens, parents, valid = unpack_tree(packed)
+    ancestors = depths = None
+    if not chain:
+        ancestors = _ancestors(parents, valid, None)
+        depths = _depths(ancestors, valid)
+    out, order = greedy_rule(tokens, parents, valid, ancestors, depths, logits, chain, count_drafts)
+    cache_ops.write_path_columns(layout, scalars[0], tokens, order, (out[:, 0] + 1) * scalars[1:], root_positions)
+    return out, order.contiguous()  # a chain's is expanded: a graph's output is a tensor of its own
+
+
+def coupled_step(layout, packed, logits, noise, scalars, root_positions, depth: int, warp, keep_scores: bool,
+                 count_drafts: bool):
+    """:func:`~hf_specdec.verify.coupled_rule` as :func:`greedy_step` runs the greedy rule."""
+    tokens, parents, valid = unpack_tree(packed)
+    out, kept, scored = coupled_rule(tokens, parents, valid, logits, noise, depth, warp, keep_scores, count_drafts)
+    cache_ops.write_path_columns(layout, scalars[0], tokens, kept[:, :tokens.shape[1]], (out[:, 0] + 1) * scalars[1:],
+                                 root_positions)
+    return out, kept, scored
+
+
+STEP_RULES = {greedy_rule: greedy_step, coupled_rule: coupled_step}
+
+
+class StepRule:
+    """A rule of :func:`~hf_specdec.verify.accept` (``rule``: greedy or coupled) as its fixed-shape step region
+    (``region``), called with the rule's own arguments: the padded tree's tensors are the session's (``tensors``: the
+    layout, the packed tree, the ``[start, active...]`` scalars, the root positions), the rest passed on."""
+
+    def __init__(self, region: FixedShapeRegion, rule):
+        self.region, self.rule = region, rule
+        self.session = self.tensors = None
+
+    def __call__(self, tokens, parents, valid, *args):
+        layout, packed, scalars, roots = self.tensors
+        if self.rule is greedy_rule:
+            _ancestors_, _depths_, logits, chain, count_drafts = args
+            out = self.region(layout, packed, logits, scalars, roots, chain, count_drafts)
+        else:
+            logits, noise, depth, warp, keep_scores, count_drafts = args[:6]
+            out = self.region(layout, packed, logits, noise, scalars, roots, depth, warp, keep_scores, count_drafts)
+        self.session._written = True
+        return out
+
+
 def _pad_nodes(input_ids, position_ids, attention_mask, pad: int):
     """Verification inputs with ``pad`` padding nodes after the ``q`` real ones: copies of the first (the root)."""
     return (torch.cat([input_ids, input_ids[:, :1].expand(-1, pad)], dim=1),
@@ -306,6 +474,7 @@ class CompiledRunner(TargetRunner):
         self.cache_length = self.MIN_CACHE
         self.caches: dict = {}  # (batch size, length, dtype, device) -> the static cache kept for later calls
         self.warm: set = set()  # input shapes (and hidden-state sets) compiled already
+        self.layouts: dict = {}  # (batch size, width, device) -> the BufferedLayout kept for later calls
         self.compiled_fns: dict = {}  # a function of the step (or a proposer's propose) -> its compiled self
         # drafter -> (shape, the FixedDraftCache EAGLE-3 drafts over), kept for later calls, which replay its graphs
         self.draft_buffers = weakref.WeakKeyDictionary()
@@ -327,8 +496,14 @@ class CompiledRunner(TargetRunner):
         if fn not in self.compiled_fns:
             made = {"fn": torch.compile(fn, backend=self.backend, dynamic=True), "oblivious": oblivious}
 
+            name = DYNAMIC + fn.__qualname__
+
             @functools.wraps(fn)
             def run(*args, **kwargs):
+                with step_range(name):  # a profiler range while one runs (launch counts)
+                    return call(*args, **kwargs)
+
+            def call(*args, **kwargs):
                 if made["oblivious"]:
                     try:
                         with _oblivious():

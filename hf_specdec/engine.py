@@ -363,6 +363,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     stats.verify_seconds += time.perf_counter() - t0
     state.layout = cache_ops.CacheLayout(valid=attention_mask.bool(), positions=positions, tokens=input_ids.clone(),
                                          counts=[state.prompt_length - p for p in state.pad_lengths])
+    state.layout = target.hold(state.layout)
     state.root_positions = positions[:, -1] + 1
     firsts = first.tolist()  # the prefill's one read
     rows.commit_rows({b: [tok] for b, tok in enumerate(firsts)}, {b: [first_scores[b]] for b in range(len(firsts))},
@@ -411,8 +412,9 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
             # the rule on the device, without the prefixes: greedy without processors, coupled with warpers only
             on_device = (not state.do_sample and process is None) or warp is not None
             prefixes = None if on_device else [state.prefix(b) for b in range(state.batch_size)]
-            result = accept(tree, logits, prefixes, state.active, process, state.do_sample, want_scores, want_logits,
-                            typical=typical, noise=noise, warp=warp, fused=target.runner.fused, deepest=deepest)
+            rule_tree, rule_logits, fused = target.rule_inputs(tree, logits, on_device)  # (compiled: padded)
+            result = accept(rule_tree, rule_logits, prefixes, state.active, process, state.do_sample, want_scores,
+                            want_logits, typical=typical, noise=noise, warp=warp, fused=fused, deepest=deepest)
             elapsed = time.perf_counter() - t0
             stats.verify_seconds += elapsed
             stats.target_forward_passes += 1
@@ -427,7 +429,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
                 gate.record(tokens, verify, draft_seconds / unit, state.rules)
 
             # ---- commit: cut the cache back to the accepted paths, append tokens, check stops
-            _keep_accepted(state, tree, result, past, target)
+            target.keep_accepted(state, tree, result, past)
             going = [b for b in range(state.batch_size) if state.active[b]]
             for b in going:
                 stats.count_row(result, b)
@@ -459,24 +461,6 @@ def _make_room(state: DecodingState, target, proposer: Proposer, stats: Speculat
     state.layout = layout.gather(index)
     proposer.on_compact(state, index)
     stats.compactions += 1
-
-
-def _keep_accepted(state: DecodingState, tree: DraftTree, result: AcceptResult, past: int, target) -> None:
-    """Keep the accepted path's columns of the ``N`` verified ones (after ``past``) in the cache and the layout."""
-    kept = [len(p) for p in result.paths]
-    width = max(kept)
-    if result.is_prefix_paths():
-        path_nodes = None
-    elif result.path_index is not None:  # the rule ran on the device: its paths are there already
-        path_nodes = result.path_index[:, :width]
-    else:
-        path_nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], state.device)  # [B, W]
-    keep = to_device([[j < k for j in range(width)] for k in kept], state.device, dtype=torch.bool)
-    target.keep_columns(past, path_nodes, width)
-    layout = state.layout
-    columns = target.runner.fused(cache_ops.path_columns, oblivious=True)(
-        layout.valid, layout.positions, layout.tokens, keep, state.root_positions, tree.depths, tree.tokens, path_nodes)
-    layout.grow(*columns, counts=kept)
 
 
 def _continue_from(given, state: DecodingState, proposer: Proposer) -> tuple[int, object]:

@@ -9,7 +9,10 @@ The count, over the operations torch's profiler records inside the loop's steps 
 ``record_function("hf_specdec.step")`` range while a profiler runs, :func:`step_range`):
 
 * a compiled region (``torch.compile``'s ``Torch-Compiled Region``; on a GPU under ``mode="reduce-overhead"`` one
-  CUDA-graph replay) counts **one**, whatever runs inside it;
+  CUDA-graph replay) counts **one**, whatever runs inside it. Those of a region compiled with dynamic shapes (the
+  runner's ``fused``, inside a :data:`DYNAMIC` range) are also counted apart, per function
+  (:attr:`LaunchCounter.dynamic`): on a GPU such a region is no graph but inductor's kernels, a launch each, so the
+  count of one is a floor there;
 * outside compiled regions, each ``aten::`` operation that does work counts one: the lowest such operation in the
   profiler's tree (an operation calling others counts through them: ``aten::linear`` is its ``aten::mm``), never a
   view or an allocation (``aten::view``, ``aten::slice``, ``aten::empty``, ... start no kernel). A host read
@@ -33,6 +36,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 STEP = "hf_specdec.step"  # the name of a decoding step's profiler range
+DYNAMIC = "hf_specdec.dynamic:"  # the profiler range around a call of a region compiled with dynamic shapes (+ name)
 # profiler ranges of compiled code: one launch each (a graph replay on a GPU; hf_specdec.graphs' replays by hand)
 COMPILED = ("Torch-Compiled Region", "hf_specdec.graph_replay")
 # operations that start no kernel: views, allocations, metadata, no-op conversions (their work, if any, is a child)
@@ -48,11 +52,11 @@ NO_KERNEL = frozenset(f"aten::{name}" for name in (
 ))
 
 
-def step_range():
-    """The context of one decoding step: a ``record_function`` range named :data:`STEP` while a profiler runs,
-    nothing otherwise (the loop pays no profiler call when none is active)."""
+def step_range(name: str = STEP):
+    """The context of one decoding step: a ``record_function`` range named :data:`STEP` (or ``name``) while a
+    profiler runs, nothing otherwise (the loop pays no profiler call when none is active)."""
     if torch.autograd._profiler_enabled():
-        return record_function(STEP)
+        return record_function(name)
     return contextlib.nullcontext()
 
 
@@ -66,6 +70,8 @@ class LaunchCounter:
             region).
         outside: with ``steps == 0`` (code without the loop's step ranges, e.g. plain ``generate()``), the count over
             everything that ran; else the count outside the steps (the prefill, the call's set-up).
+        dynamic: a :class:`collections.Counter` of the compiled regions inside the steps that were compiled with
+            dynamic shapes, per function (no CUDA graph on a GPU: see the module docstring).
     """
 
     def __init__(self):
@@ -73,6 +79,7 @@ class LaunchCounter:
         self.launches = 0
         self.outside = 0
         self.by_name: collections.Counter = collections.Counter()
+        self.dynamic: collections.Counter = collections.Counter()
         self._profile = None
 
     def __enter__(self) -> LaunchCounter:
@@ -92,7 +99,7 @@ class LaunchCounter:
         """Launches per step (``0.0`` without steps)."""
         return self.launches / self.steps if self.steps else 0.0
 
-    def _visit(self, event, in_step: bool) -> int:
+    def _visit(self, event, in_step: bool, dynamic: str | None = None) -> int:
         """Counts ``event``'s subtree; returns how many it counted. An operation counts itself only when nothing
         below it counted (``aten::linear`` is its ``aten::mm``; ``aten::mm`` counts although its children, the
         ``aten::resolve_conj`` calls, start no kernel)."""
@@ -100,10 +107,14 @@ class LaunchCounter:
         if name == STEP:
             self.steps += 1
             in_step = True
+        if name.startswith(DYNAMIC):
+            dynamic = name[len(DYNAMIC):]
         if name.startswith(COMPILED):
             self._count("compiled region", in_step)
+            if in_step and dynamic is not None:
+                self.dynamic[dynamic] += 1
             return 1  # everything inside is the region's
-        below = sum(self._visit(child, in_step) for child in event.cpu_children)
+        below = sum(self._visit(child, in_step, dynamic) for child in event.cpu_children)
         if below == 0 and name.startswith("aten::") and name not in NO_KERNEL:
             self._count(name, in_step)
             return 1

@@ -35,6 +35,7 @@ from .attention import verifiable_attention
 from .costs import _CPU_OWN_PRIOR, _GPU_PRIOR, ForwardCostModel
 from .dtypes import HALF
 from .placement import drafter_device
+from .syncs import to_device
 from .tree import build_attention_mask
 
 logger = logging.getLogger("hf_specdec")
@@ -90,6 +91,35 @@ class TargetSession:
             cache_ops.crop(self.cache, start + width)
         else:
             cache_ops.keep_columns(self.cache, start, index)
+
+    def hold(self, layout):
+        """The cache layout the loop keeps after the prefill (``layout`` itself; the compiled runner's fixed-shape
+        step holds it in buffers of the static cache's width)."""
+        return layout
+
+    def rule_inputs(self, tree, logits, on_device: bool):
+        """What the acceptance rule runs over after :meth:`verify`: ``(tree, logits, fused)``, the verified tree, its
+        logits and how the step's functions of tensors run (:meth:`TargetRunner.fused`). ``on_device``: the rule runs
+        on the device (greedy without processors, or coupled sampling with warpers only)."""
+        return tree, logits, self.runner.fused
+
+    def keep_accepted(self, state, tree, result, past: int) -> None:
+        """Keep the accepted paths' columns of the ``N`` verified ones (after ``past``) in the cache and the layout."""
+        kept = [len(p) for p in result.paths]
+        width = max(kept)
+        if result.is_prefix_paths():
+            path_nodes = None
+        elif result.path_index is not None:  # the rule ran on the device: its paths are there already
+            path_nodes = result.path_index[:, :width]
+        else:
+            path_nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], state.device)  # [B, W]
+        keep = to_device([[j < k for j in range(width)] for k in kept], state.device, dtype=torch.bool)
+        self.keep_columns(past, path_nodes, width)
+        layout = state.layout
+        columns = self.runner.fused(cache_ops.path_columns, oblivious=True)(
+            layout.valid, layout.positions, layout.tokens, keep, state.root_positions, tree.depths, tree.tokens,
+            path_nodes)
+        layout.grow(*columns, counts=kept)
 
     def propose(self, proposer, state):
         """``proposer``'s drafts for the step (:meth:`hf_specdec.proposers.Proposer.propose`; a backend may run the

@@ -143,6 +143,15 @@ class DraftTree:
         tree.host_depth = max(counts, default=0) if counts is not None else k
         return tree
 
+    def packed(self, width: int, zeros: torch.LongTensor | None = None) -> torch.LongTensor:
+        """``[B, 3 * width]``: its tokens, parents and valid flags, each padded with zeros to ``width`` nodes (nodes
+        that are not valid, children of the root), in one copy (``zeros``: ``[B, width - N]`` zeros, made by the
+        caller once per shape). :func:`unpack_tree` reads it."""
+        parts = [self.tokens, self.parents, self.valid]
+        if width > self.num_nodes:
+            parts = [t for part in parts for t in (part, zeros)]
+        return torch.cat(parts, dim=1)
+
     @property
     def depths(self) -> torch.LongTensor:
         """``[B, N]`` depth of every node (root = 0); padding nodes (``valid`` False) have depth 0.
@@ -289,22 +298,64 @@ def build_attention_mask(
     allowed = torch.zeros(bsz, n, width, dtype=torch.bool, device=past_valid.device)
     allowed[:, :, :past] = past_valid if past_valid.dim() == 3 else past_valid[:, None, :]
     allowed[:, :, past:past + n] = new_attends_new
-    layer_types = getattr(config, "layer_types", None) or []
-    window = getattr(config, "sliding_window", None)
-    wants_sliding = _sliding(config)
+
+    def key_positions():
+        key_pos = torch.full((bsz, width), _FAR, dtype=torch.long, device=past_valid.device)
+        key_pos[:, :past] = past_positions
+        key_pos[:, past:past + n] = new_positions
+        return key_pos
+
+    return _layer_masks(config, allowed, new_positions, key_positions, dtype)
+
+
+_FAR = -(1 << 40)  # the position of a key column that holds nothing: outside every sliding window
+
+
+def _layer_masks(config, allowed: torch.BoolTensor, new_positions: torch.LongTensor, key_positions, dtype):
+    """:func:`build_attention_mask`'s result from ``allowed [B, n, width]`` (which columns each new token sees) and,
+    for sliding-window layers, ``key_positions()`` (``[B, width]``: each column's position)."""
     fmt = tree_mask_format(config)  # flex_attention: BlockMasks; an attention that sees padding only: raises
-
-    def to_additive(ok: torch.BoolTensor) -> torch.Tensor:
-        return to_mask(ok, fmt, dtype)
-
-    full = to_additive(allowed)
-    if not wants_sliding:
+    full = to_mask(allowed, fmt, dtype)
+    if not _sliding(config):
         return full
-    key_pos = torch.full((bsz, width), -(1 << 40), dtype=torch.long, device=past_valid.device)
-    key_pos[:, :past] = past_positions
-    key_pos[:, past:past + n] = new_positions
-    in_window = (new_positions[:, :, None] - key_pos[:, None, :]) < window
-    masks = {"full_attention": full, "sliding_attention": to_additive(allowed & in_window)}
-    for kind in set(layer_types) - set(masks):
+    in_window = (new_positions[:, :, None] - key_positions()[:, None, :]) < config.sliding_window
+    masks = {"full_attention": full, "sliding_attention": to_mask(allowed & in_window, fmt, dtype)}
+    for kind in set(getattr(config, "layer_types", None) or []) - set(masks):
         masks[kind] = full
     return masks
+
+
+def unpack_tree(packed: torch.LongTensor):
+    """``(tokens, parents, valid)`` of a tree packed as ``[B, 3n]`` (:meth:`DraftTree.packed`)."""
+    n = packed.shape[1] // 3
+    return packed[:, :n], packed[:, n:2 * n], packed[:, 2 * n:] != 0
+
+
+def buffered_tree_inputs(layout, packed: torch.LongTensor, scalars: torch.LongTensor,
+                         root_positions: torch.LongTensor, config, chain: bool, dtype: torch.dtype):
+    """:func:`tree_inputs` at fixed shapes (a region the compiled runner replays as one CUDA graph): a tree padded to
+    ``n`` nodes (``packed [B, 3n]``, :meth:`DraftTree.packed`) after the ``start = scalars[0]`` columns of a
+    :class:`~hf_specdec.cache.BufferedLayout` (read over the buffers' whole width: no shape follows ``start``).
+    Returns ``(tokens, valid, ancestors, depths, positions, mask)`` of the padded tree, the mask over the buffers'
+    width (the static cache's). Its padding nodes (``valid`` False, parent the root) see the root and the layout: a
+    row with something to attend to, which no real node sees."""
+    tokens, parents, valid = unpack_tree(packed)
+    bsz, n = tokens.shape
+    device = packed.device
+    anc = _ancestors(parents, valid, torch.ones(n, n, dtype=torch.bool, device=device).tril() if chain else None)
+    depths = _depths(anc, valid)
+    positions = root_positions[:, None] + depths
+    past_valid, past_positions, _ = layout.buffers
+    width, start = past_valid.shape[1], scalars[0]
+    columns = torch.arange(width, device=device)
+    before = columns < start  # [W] the layout's columns
+    new = (columns >= start) & (columns < start + n)  # [W] the tree's
+    at = (columns - start).clamp(0, n - 1)  # [W] the node of a tree column
+    allowed = (past_valid & before)[:, None, :] | (anc.gather(2, at.expand(bsz, n, width)) & new)
+
+    def key_positions():
+        return torch.where(before, past_positions, torch.where(new, positions.gather(1, at.expand(bsz, width)), _FAR))
+
+    # the tokens a tensor of their own (a slice of ``packed`` would be copied to be dense for the forward)
+    mask = _layer_masks(config, allowed, positions, key_positions, dtype)
+    return tokens.clone(memory_format=torch.contiguous_format), valid, anc, depths, positions, mask

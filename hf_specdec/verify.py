@@ -169,7 +169,8 @@ def greedy_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torc
     every ancestor is kept; the deepest kept node ends the path (the first in node order among equals) and the
     target's argmax there is the next token. Returns ``(packed [B, ...], order [B, N])``: per row ``[accepted, next
     token, (drafts,) (path nodes,) path tokens, argmax per node]`` (drafts when ``count_drafts``; path nodes for trees
-    only: a chain's are ``0..accepted``) and the path's nodes first, in depth order. A chain needs no ``ancestors`` or
+    only: a chain's are ``0..accepted``) and the path's nodes in depth order, then its last node repeated (a real node:
+    of a tree padded with nodes that are not valid, never one of those). A chain needs no ``ancestors`` or
     ``depths``."""
     bsz, n = tokens.shape
     choice = logits.argmax(-1)  # [B, N]
@@ -185,7 +186,8 @@ def greedy_rule(tokens: torch.LongTensor, parents: torch.LongTensor, valid: torc
     kept = ~(ancestors & ~ok[:, None, :]).any(-1) & valid  # every ancestor (itself included) ok
     last = torch.where(kept, depths, -1).argmax(1)  # [B] the first of the deepest kept nodes
     path = ancestors[torch.arange(bsz, device=choice.device), last]  # [B, N] its ancestors
-    order = torch.where(path, nodes, n).sort(1).values.clamp(max=n - 1)  # path nodes first, in depth order
+    order = torch.where(path, nodes, n).sort(1).values  # path nodes first, in depth order
+    order = torch.where(order < n, order, last[:, None])  # then its last node again (a real node, never padding)
     n_acc = path.sum(1) - 1
     nxt = choice.gather(1, last[:, None])
     return torch.cat([n_acc[:, None], nxt, *counted, order, tokens.gather(1, order), choice], dim=1), order

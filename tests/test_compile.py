@@ -139,11 +139,15 @@ def _eagle3(target):
 # test_sampling_with_a_compiled_proposal)
 # the regions compiled per method (the loop's cache commit, commit_columns: a graph per bucket of kept columns, every
 # bucket up to the proposer's longest path warmed at the first commit)
-FIXED = {"eagle3": {"_feed_region": 5, "_expand_fixed": 3, "commit_columns": 3},
-         "dflash_tree": {"_block_region": 5, "commit_columns": 3},
-         "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2, "commit_columns": 3},
-         "assisted": {"_feed_region": 5, "_chain_region": 3, "commit_columns": 3},
-         "layerskip": {"_step_region": 1, "_adapter_feed_region": 5, "commit_columns": 7}}
+# the step's own regions: the tree's mask and the greedy rule at every bucket up to the largest tree, for the chains
+# and the trees a call meets (EAGLE-3 and DFlash: both), the cache commit at every bucket of kept columns
+STEP = {"eagle3": 8, "dflash_tree": 8, "mtp": 3, "assisted": 3, "layerskip": 7}
+FIXED = {name: {**regions, "buffered_tree_inputs": STEP[name], "greedy_step": STEP[name]} for name, regions in {
+    "eagle3": {"_feed_region": 5, "_expand_fixed": 3, "commit_columns": 3},
+    "dflash_tree": {"_block_region": 5, "commit_columns": 3},
+    "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2, "commit_columns": 3},
+    "assisted": {"_feed_region": 5, "_chain_region": 3, "commit_columns": 3},
+    "layerskip": {"_step_region": 1, "_adapter_feed_region": 5, "commit_columns": 7}}.items()}
 
 
 @pytest.mark.parametrize("name", list(FIXED))
@@ -208,7 +212,7 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
     assert out == ref and stats["sampling"] == "coupled" and stats["proposed_drafts"] > 0
     # the coupled rule's walks (to a power-of-2 depth) up to the tree's depth (3) compiled at its first use
     from hf_specdec.verify import _WALKS, coupled_rule
-    assert all(walks >= {0, 1, 3} for walks in _WALKS[runner.compiled_fns[coupled_rule]].values())
+    assert all(walks >= {0, 1, 3} for walks in _WALKS[runner.compiled_fns[coupled_rule, "step"]].values())
 
 
 class _ReplayOnTheCpu:

@@ -11,7 +11,7 @@ import torch
 
 import hf_specdec
 from hf_specdec.compiled import CompiledRunner
-from hf_specdec.launches import LaunchCounter, step_range
+from hf_specdec.launches import DYNAMIC, LaunchCounter, step_range
 from test_syncs import METHODS, NEW, _inputs, _target, method
 
 
@@ -27,10 +27,12 @@ def test_views_and_allocations_start_no_kernel_and_a_compiled_region_counts_one(
             x[:, 1:].transpose(0, 1).contiguous()  # views, then one copy
         with step_range():
             region(x)  # one, whatever runs inside
+            with step_range(DYNAMIC + "f"):  # one more, a region compiled with dynamic shapes (counted apart too)
+                region(x)
     assert launches.steps == 2
-    assert dict(launches.by_name) == {"aten::fill_": 1, "aten::mm": 1, "aten::copy_": 1, "compiled region": 1}
-    assert launches.launches == 4 and launches.per_step() == 2.0
-    assert launches.outside == 1
+    assert dict(launches.by_name) == {"aten::fill_": 1, "aten::mm": 1, "aten::copy_": 1, "compiled region": 2}
+    assert launches.launches == 5 and launches.per_step() == 2.5
+    assert launches.outside == 1 and dict(launches.dynamic) == {"f": 1}
 
 
 def test_step_range_costs_nothing_without_a_profiler():
@@ -85,18 +87,26 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(CompiledRunner, "backend", "eager")
 
 
+# the loop's own functions of the step's tensors, which run as fixed-shape regions under compile=True (a CUDA graph
+# each on a GPU) where the step allows it: every method but LayerSkip, whose verification resumes from its early exit
+STEP_FUNCTIONS = {"tree_inputs", "_pad_nodes", "greedy_rule", "coupled_rule", "path_columns"}
+
+
 def _at_most_40(name, bsz, sample=False):
     (eager,), _ = count(name, bsz, sample=sample)
     (compiled,), _ = count(name, bsz, compile=True, sample=sample)
     assert compiled.by_name["compiled region"] >= 4 * compiled.steps  # verify, mask, rule, commit (+ drafting)
     assert compiled.per_step() <= 40, compiled.by_name.most_common(8)
     assert compiled.per_step() < eager.per_step() / 2
+    if name != "layerskip":
+        assert not STEP_FUNCTIONS & set(compiled.dynamic), compiled.dynamic
 
 
 @pytest.mark.parametrize("name,bsz", [("prompt_lookup", 1)])
 def test_compiled_steps_launch_at_most_40(name, bsz, eager_backend):
     """compile=True (dynamo's graphs, counted as inductor's would be): the verification forward, the drafters'
-    proposal, the tree's mask, the greedy rule and the cache commit are compiled regions of one launch each; the step
+    proposal, the tree's mask, the greedy rule and the cache commit are compiled regions of one launch each, the loop's
+    own at fixed shapes (none of them a dynamic region, which on a GPU launches each of its kernels); the step
     launches at most 40 (issue 51's bound), far fewer than eagerly, and decodes as plain greedy does. Every method at
     batch 1 and a padded batch of 8 (LayerSkip's resumed verification among them) under ``--extended``."""
     _at_most_40(name, bsz)
@@ -124,5 +134,7 @@ if __name__ == "__main__":  # the figures: python tests/test_launches.py
         for name in METHODS:
             for compiled in (False, True):
                 (launches,), _ = count(name, bsz, compile=compiled)
+                dynamic = sum(launches.dynamic.values()) / max(launches.steps, 1)
                 print(f"batch {bsz} {name:14s} {'compiled' if compiled else 'eager':8s} {launches.per_step():7.1f} "
-                      f"launches/step ({launches.steps} steps; most: {launches.by_name.most_common(3)})")
+                      f"launches/step, {dynamic:4.2f} dynamic regions ({launches.steps} steps; most: "
+                      f"{launches.by_name.most_common(3)}; dynamic: {dict(launches.dynamic)})")
