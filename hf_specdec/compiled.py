@@ -158,10 +158,13 @@ class CompiledSession(TargetSession):
             warnings.filterwarnings("ignore", "Dynamo does not know how to trace the builtin `time.", UserWarning)
             return proposer.propose(state)
 
-    def hold(self, layout):
+    def hold(self, layout, proposer):
         """A :class:`~hf_specdec.cache.BufferedLayout` (the runner's, for the batch size) holding ``layout``, where the
-        step runs at fixed shapes: tensor masks (not flex's BlockMasks) and the static cache on the layout's device."""
-        if self._masks_are_tensors() and self._one_device() == layout.valid.device:
+        step runs at fixed shapes: tensor masks (not flex's BlockMasks), the static cache on the layout's device, and
+        trees that do not resume the target's forward from an early exit (LayerSkip's:
+        :attr:`~hf_specdec.proposers.Proposer.resumes_verification`)."""
+        resumes = any(part.resumes_verification for part in [proposer, *proposer.network_parts()])
+        if not resumes and self._masks_are_tensors() and self._one_device() == layout.valid.device:
             key = (layout.valid.shape[0], self.kv_width, str(layout.valid.device))
             kept = self.runner.layouts
             buffered = kept.pop(key, None) or cache_ops.BufferedLayout(*key[:2], layout.valid.device)

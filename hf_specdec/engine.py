@@ -363,7 +363,7 @@ def _decode(target, state: DecodingState, rows: RowBook, stats: SpeculativeStats
     stats.verify_seconds += time.perf_counter() - t0
     state.layout = cache_ops.CacheLayout(valid=attention_mask.bool(), positions=positions, tokens=input_ids.clone(),
                                          counts=[state.prompt_length - p for p in state.pad_lengths])
-    state.layout = target.hold(state.layout)
+    state.layout = target.hold(state.layout, proposer)
     state.root_positions = positions[:, -1] + 1
     firsts = first.tolist()  # the prefill's one read
     rows.commit_rows({b: [tok] for b, tok in enumerate(firsts)}, {b: [first_scores[b]] for b in range(len(firsts))},

@@ -92,9 +92,9 @@ class TargetSession:
         else:
             cache_ops.keep_columns(self.cache, start, index)
 
-    def hold(self, layout):
-        """The cache layout the loop keeps after the prefill (``layout`` itself; the compiled runner's fixed-shape
-        step holds it in buffers of the static cache's width)."""
+    def hold(self, layout, proposer):
+        """The cache layout the loop keeps after the prefill, for ``proposer``'s trees (``layout`` itself; the compiled
+        runner's fixed-shape step holds it in buffers of the static cache's width)."""
         return layout
 
     def rule_inputs(self, tree, logits, on_device: bool):

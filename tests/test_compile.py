@@ -140,9 +140,11 @@ def _eagle3(target):
 # the regions compiled per method (the loop's cache commit, commit_columns: a graph per bucket of kept columns, every
 # bucket up to the proposer's longest path warmed at the first commit)
 # the step's own regions: the tree's mask and the greedy rule at every bucket up to the largest tree, for the chains
-# and the trees a call meets (EAGLE-3 and DFlash: both), the cache commit at every bucket of kept columns
-STEP = {"eagle3": 8, "dflash_tree": 8, "mtp": 3, "assisted": 3, "layerskip": 7}
-FIXED = {name: {**regions, "buffered_tree_inputs": STEP[name], "greedy_step": STEP[name]} for name, regions in {
+# and the trees a call meets (EAGLE-3 and DFlash: both), the cache commit at every bucket of kept columns; LayerSkip's
+# verification resumes from its early exit (the step as dynamic regions, its layout as it was)
+STEP = {"eagle3": 8, "dflash_tree": 8, "mtp": 3, "assisted": 3}
+FIXED = {name: {**regions, **({"buffered_tree_inputs": STEP[name], "greedy_step": STEP[name]} if name in STEP else {})}
+         for name, regions in {
     "eagle3": {"_feed_region": 5, "_expand_fixed": 3, "commit_columns": 3},
     "dflash_tree": {"_block_region": 5, "commit_columns": 3},
     "mtp": {"_feed_region": 5, "_draft_chain_fixed": 2, "commit_columns": 3},

@@ -75,6 +75,7 @@ class LayerSkipProposer(Proposer):
     """
 
     name = "layerskip"
+    resumes_verification = True
     # its drafting writes the early layers' keys/values into the target's cache: its chains verify only as they
     # are, never merged with another source's rows (hybrid drafting takes that source for all rows or none)
     merges_rows = False
