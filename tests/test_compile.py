@@ -121,6 +121,23 @@ def test_padding_nodes_change_no_logits(eager_backend):
             torch.testing.assert_close(hidden[i], ref_hidden[i], rtol=1e-5, atol=1e-5)
 
 
+def test_a_buffered_layout_compacts_in_place(eager_backend, monkeypatch):
+    """compile=True holds the layout in buffers as wide as the static cache (cache.BufferedLayout); a padded batch
+    whose rows accept different lengths leaves holes, and in a small cache the loop compacts: in place, the buffers
+    kept, and the output stays the target's own greedy one."""
+    import test_syncs
+
+    monkeypatch.setattr(CompiledRunner, "MIN_CACHE", 16)
+    monkeypatch.setattr(CompiledRunner, "CACHE_STEP", 8)
+    target = test_syncs._target()
+    ids, mask = prompts(3, 12, seed=5)
+    ref = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=300, **KW)
+    out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=300, **KW, compile=True,
+                          return_dict_in_generate=True, custom_generate=test_syncs.method("prompt_lookup", target))
+    assert torch.equal(out.sequences, ref) and out.speculative_stats["compactions"] >= 1
+    assert [type(kept) for kept in runner_for(target, compile=True).layouts.values()] == [cache_ops.BufferedLayout]
+
+
 def _eagle3(target):
     """A tiny random EAGLE-3 drafter for ``target`` (as tests/test_eagle3.py makes them)."""
     weights = random_weights(target_hidden=target.config.hidden_size, seed=0, scale=0.5)

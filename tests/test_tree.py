@@ -146,3 +146,45 @@ def test_cost_model_keeps_verifications_cheaper_than_a_step():
     slow.record(1, 0.05)
     slow.record(2, 0.08)
     assert best_draft_length(0.05, 3, slow) == 0
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_the_fixed_shape_mask_over_buffers_is_the_mask_over_the_layout(sliding):
+    """compile=True's tree inputs (tree.buffered_tree_inputs: the tree padded with nodes that are not valid, placed
+    after a start that is a tensor, over a BufferedLayout's buffers as wide as the cache, stale columns past its
+    length included) equal tree_inputs over the layout's columns, for every real node: mask (each layer type's),
+    positions, ancestors and depths; the padding nodes see the layout and the root, so no row is all masked."""
+    from types import SimpleNamespace
+
+    from hf_specdec.tree import buffered_tree_inputs, tree_inputs
+
+    g = torch.Generator().manual_seed(5)
+    bsz, length, width = 3, 9, 24
+    config = SimpleNamespace(sliding_window=4 if sliding else None, _attn_implementation="sdpa",
+                             layer_types=["sliding_attention", "full_attention"] if sliding else None)
+    valid = torch.rand(bsz, length, generator=g) > 0.3  # holes
+    valid[:, -1] = True
+    positions = valid.long().cumsum(1) - 1
+    layout = cache_ops.BufferedLayout(bsz, width, "cpu")
+    for buf in layout.buffers:  # stale columns past the length: never seen
+        buf.fill_(1)
+    layout.load(cache_ops.CacheLayout(valid, positions, torch.zeros(bsz, length, dtype=torch.long)))
+    tree = _tree(bsz, torch.tensor([5, 6, 7]))
+    tree.valid[1, 5:] = False  # a row with fewer nodes
+    roots = positions[:, -1] + 1
+    anc, depths, pos, mask = tree_inputs(config, tree.parents, tree.valid, False, roots, layout.valid,
+                                         layout.positions, torch.float32, width)
+    n, q = 8, tree.num_nodes
+    packed = tree.packed(n, torch.zeros(bsz, n - q, dtype=torch.long))
+    tokens, valid_p, anc_p, depths_p, pos_p, mask_p = buffered_tree_inputs(
+        layout, packed, torch.tensor([length, 1, 1, 1]), roots, config, False, torch.float32)
+    masks, masks_p = (mask, mask_p) if sliding else ({"full": mask}, {"full": mask_p})
+    assert set(masks) == set(masks_p)
+    for kind in masks:
+        assert torch.equal(masks_p[kind][:, :, :q], masks[kind])
+        assert (masks_p[kind][:, :, q:] == 0).any(-1).all()  # a padding node sees something
+        assert (masks_p[kind][:, :, :, length + q:] != 0).all()  # nothing sees a padding node's column, or past it
+    assert torch.equal(tokens[:, :q], tree.tokens) and torch.equal(valid_p[:, :q], tree.valid)
+    assert not valid_p[:, q:].any()
+    assert torch.equal(anc_p[:, :q, :q], anc) and torch.equal(depths_p[:, :q], depths)
+    assert torch.equal(pos_p[:, :q], pos)
