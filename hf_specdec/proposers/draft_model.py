@@ -20,6 +20,7 @@ from ..registry import SCHEDULE, DrafterSpec, Method, Option
 from ..coupling import apply_warpers
 from ..graphs import value_key
 from ..tree import DraftTree, additive_mask, build_attention_mask
+from ..syncs import to_device
 from .base import Carried, Proposer, next_draft, rules_of
 from .hybrid import HYBRID
 
@@ -178,8 +179,8 @@ class DraftModelProposer(Proposer):
 
     def graph_key(self):
         """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, the
-        drafter and its restricted head."""
-        return self.cache, self.drafter, self.head
+        drafter, its restricted head and the call's buffered layout (whose buffers its feed reads)."""
+        return self.cache, self.drafter, self.head, getattr(self, "_layout", None)
 
     def _propose_fixed(self, state, k: int):
         """:meth:`propose`'s drafting at fixed shapes: ``(drafts [B, k], probs [B, k, V] or None)``."""
@@ -189,18 +190,28 @@ class DraftModelProposer(Proposer):
         layout = state.layout
         n = layout.length + 1 - self.synced  # the new context columns and the root
         rows = feed_rows(n)
-        inputs = self._fixed.fused(_fixed_feed_inputs)(
-            self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), self._on(state.roots()),
-            self._on(state.root_positions), self.synced, rows, self.cache.width)
-        if n > FEED_BUCKETS_UP_TO:
-            logits = self._feed_region(*inputs)
+        roots, root_positions = self._on(state.roots()), self._on(state.root_positions)
+        buffered = isinstance(layout, cache_ops.BufferedLayout) and layout.buffers[0].device == self.cache.keys[0].device
+        self._layout = layout if buffered else None
+        if buffered and n <= FEED_BUCKETS_UP_TO:  # the feed's inputs made inside its region, from the layout's buffers
+            feed = self._fixed.fixed(type(self)._buffered_feed_region)
+            feed.warm(self, "feeds", FEED_SIZES, lambda size: feed(
+                self, roots, root_positions, to_device([self.synced, 0], roots.device), size))  # the scratch column
+            logits, seen, root_column = feed(self, roots, root_positions, to_device([self.synced, n], roots.device),
+                                             rows)
         else:
-            feed = self._fixed.fixed(type(self)._feed_region)
-            feed.warm(self, "feeds", FEED_SIZES,
-                      lambda size: feed(self, *self._scratch_feed(inputs, size)))
-            logits = feed(self, *inputs)
+            inputs = self._fixed.fused(_fixed_feed_inputs)(
+                self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), roots, root_positions,
+                self.synced, rows, self.cache.width)
+            if n > FEED_BUCKETS_UP_TO:
+                logits = self._feed_region(*inputs)
+            else:
+                feed = self._fixed.fixed(type(self)._feed_region)
+                feed.warm(self, "feeds", FEED_SIZES,
+                          lambda size: feed(self, *self._scratch_feed(inputs, size)))
+                logits = feed(self, *inputs)
+            seen, root_column = inputs[3], inputs[2][n - 1:n]
         chain = self._fixed.fixed(type(self)._chain_region)
-        seen, root_column, root_positions = inputs[3], inputs[2][n - 1:n], self._on(state.root_positions)
         # the call's warpers shape sampled and coupled drafts (greedy: none; other processors: the target's rule)
         warpers = tuple(state.processors) if state.do_sample or state.coupling is not None else ()
 
@@ -228,6 +239,27 @@ class DraftModelProposer(Proposer):
         tokens, positions, columns, seen, _ = inputs
         return (tokens.new_zeros(tokens.shape[0], rows), positions.new_zeros(positions.shape[0], rows),
                 columns.new_full((rows,), self.cache.width - 1), torch.zeros_like(seen), columns.new_zeros(1))
+
+    def _buffered_feed_region(self, roots, root_positions, scalars, rows: int):
+        """:meth:`_feed_region` over the call's :class:`~hf_specdec.cache.BufferedLayout` (reached through the proposer,
+        whose :meth:`graph_key` holds it), its inputs made inside the region as :func:`_fixed_feed_inputs` makes them:
+        ``n = scalars[1]`` rows, the layout's columns from ``scalars[0]`` then the root (``roots, root_positions [B]``),
+        padded to ``rows`` (``n = 0``: every row the scratch column's, what warms a size up). Returns ``(logits [B, V],
+        seen [B, width], the root's column [1])``."""
+        valid, tokens, positions = self._layout.buffers
+        width, device = self.cache.width, valid.device
+        start, n = scalars[0], scalars[1]
+        j = torch.arange(rows, device=device)
+        root = start + n - 1  # the root's column: the layout's length
+        at = (start + j).clamp(max=valid.shape[1] - 1)
+        context, is_root = j < n - 1, j == n - 1
+        tokens = torch.where(context, tokens[:, at], torch.where(is_root, roots[:, None], 0))
+        positions = torch.where(context, positions[:, at], torch.where(is_root, root_positions[:, None], 0))
+        columns = torch.where(j < n, start + j, width - 1)
+        cols = torch.arange(width, device=device)
+        seen = (F.pad(valid, (0, width - valid.shape[1])) & (cols < root)) | (cols == root)
+        logits = self._feed_region(tokens, positions, columns, seen, (n - 1).clamp(min=0).reshape(1))
+        return logits, seen, root.reshape(1)
 
     def _feed_region(self, tokens, positions, columns, seen, root):
         """One drafter forward over rows ``tokens, positions [B, n]`` written at the cache ``columns [n]``, each row
