@@ -107,9 +107,9 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return attn.num_kv, attn.head_dim
 
     def graph_key(self):
-        """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, its
-        drafter and the tree's shape."""
-        return self.cache, self.drafter, self.top_k, self._tree_base
+        """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache (and the
+        features held with it), its drafter, the tree's shape and the call's buffered layout."""
+        return self.cache, self.drafter, self.top_k, self._tree_base, getattr(self, "_layout", None)
 
     def _fixed_cache_for(self, state) -> None:
         """Draft over the runner's fixed cache (:meth:`_take_fixed_cache`), the tree's (chain's) rows after its
@@ -126,6 +126,17 @@ class Eagle3Proposer(FeatureDrafterProposer):
         layout = state.layout
         n = layout.length - self.synced
         rows = feed_rows(n)
+        roots = self._on(state.roots())
+        self._layout = layout if isinstance(layout, cache_ops.BufferedLayout) and \
+            layout.buffers[0].device == self.device else None
+        if self._layout is not None and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
+            self.hold_features(layout.buffers[0].shape[1])
+            region = self._fixed.fixed(type(self)._buffered_feed_region)
+            region.warm(self, "feeds", FEED_SIZES,
+                        lambda size: region(self, roots, to_device([self.synced, 0], roots.device), size))
+            logits, hidden, seen = region(self, roots, to_device([self.synced, n], roots.device), rows)
+            self.synced = layout.length
+            return logits, hidden, seen
         inputs = self._fixed.fused(_fixed_feed_inputs)(
             self._on(layout.valid), self._on(layout.tokens), self._on(layout.positions), self.features,
             self._on(state.roots()), self.synced, rows, self._tree_base - 1, self.cache.width)
@@ -146,6 +157,28 @@ class Eagle3Proposer(FeatureDrafterProposer):
         return (tokens.new_zeros(tokens.shape[0], rows), features.new_zeros(features.shape[0], rows, features.shape[2]),
                 positions.new_zeros(positions.shape[0], rows), root.new_full((rows,), self._tree_base - 1),
                 torch.zeros_like(seen), torch.zeros_like(root))
+
+    def _buffered_feed_region(self, roots, scalars, rows: int):
+        """:meth:`_feed_region` over the call's :class:`~hf_specdec.cache.BufferedLayout` and the held features
+        (:meth:`hold_features`), both reached through the proposer (its :meth:`graph_key` holds them), the inputs made
+        inside the region as :func:`_fixed_feed_inputs` makes them: ``n = scalars[1]`` of the layout's columns from
+        ``scalars[0]``, padded to ``rows`` (``n = 0``: every row the scratch column's, what warms a size up). Returns
+        ``(logits, hidden)`` of the root rows and ``seen [B, width]``."""
+        valid, tokens, positions = self._layout.buffers
+        features, width = self.cache.features, valid.shape[1]
+        start, n = scalars[0], scalars[1]
+        j = torch.arange(rows, device=valid.device)
+        at, inside = (start + j).clamp(max=width - 1), j < n
+        fed = valid[:, at] & inside
+        tokens = torch.where(inside, _next_tokens(fed, tokens[:, at], roots[:, None]), 0)
+        features = torch.where(inside[None, :, None], features[:, at], 0)
+        positions = torch.where(inside, positions[:, at], 0)
+        columns = torch.where(inside, start + j, self._tree_base - 1)
+        cols = torch.arange(self.cache.width, device=valid.device)
+        seen = F.pad(valid, (0, self.cache.width - width)) & (cols < start + n)
+        root = torch.where(fed, j, -1).max(1).values.clamp(min=0)
+        logits, hidden = self._feed_region(tokens, features, positions, columns, seen, root)
+        return logits, hidden, seen
 
     def _feed_region(self, tokens, features, positions, columns, seen, root):
         """One drafter forward over context rows ``tokens, features, positions [B, n(, F)]`` written at the cache

@@ -98,11 +98,39 @@ class FeatureDrafterProposer(Proposer):
             nodes = to_device([p + [0] * (width - len(p)) for p in result.paths], self.device)  # [B, W]
         fused = self._fuse(state.hidden_states)  # [B, N, F] for every tree node
         picked = fused.gather(1, nodes[:, :, None].expand(-1, -1, fused.shape[-1]))
-        self.features = torch.cat([self.features, picked], dim=1)
+        held, length = self._held_features(), self.features.shape[1]
+        if held is not None:  # written after the held ones, in place
+            held[:, length:length + width] = picked
+            self.features = held[:, :length + width]
+        else:
+            self.features = torch.cat([self.features, picked], dim=1)
+
+    def hold_features(self, width: int) -> torch.Tensor:
+        """``compile=True``: :attr:`features` held in a ``[B, width, F]`` buffer kept with the drafter's fixed cache
+        (``self.cache.features``: the same addresses in later calls, which replay the graphs that read it), of which
+        :attr:`features` is then the view of the first ``T`` columns; :meth:`commit` and :meth:`on_compact` write into
+        it. Returns the buffer."""
+        bsz, length, size = self.features.shape
+        held = getattr(self.cache, "features", None)
+        if held is None or held.shape != (bsz, width, size) or held.dtype != self.features.dtype:
+            held = self.cache.features = self.features.new_zeros(bsz, width, size)
+        if self._held_features() is not held:
+            held[:, :length] = self.features
+            self.features = held[:, :length]
+        return held
+
+    def _held_features(self) -> torch.Tensor | None:
+        """The buffer :meth:`hold_features` holds :attr:`features` in, if it does."""
+        held = getattr(self.cache, "features", None)
+        return held if held is not None and self.features.data_ptr() == held.data_ptr() else None
 
     def on_compact(self, state, index) -> None:
         index = index.to(self.device)
+        held = self._held_features()
         self.features = self.features.gather(1, index[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        if held is not None:
+            held[:, :index.shape[1]] = self.features
+            self.features = held[:, :index.shape[1]]
         self.cache = DynamicCache()
         self.synced = 0
 
