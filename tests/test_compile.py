@@ -163,7 +163,7 @@ STEP = {"eagle3": 8, "dflash_tree": 8, "mtp": 3, "assisted": 3}
 FIXED = {name: {**regions, **({"buffered_tree_inputs": STEP[name], "greedy_step": STEP[name]} if name in STEP else {})}
          for name, regions in {
     "eagle3": {"_buffered_feed_region": 5, "_expand_fixed": 3, "commit_columns": 3},
-    "dflash_tree": {"_block_region": 5, "commit_columns": 3},
+    "dflash_tree": {"_buffered_block_region": 5, "commit_columns": 3},
     "mtp": {"_buffered_feed_region": 5, "_draft_chain_fixed": 2, "commit_columns": 3},
     "assisted": {"_buffered_feed_region": 5, "_chain_region": 3, "commit_columns": 3},
     "layerskip": {"_step_region": 1, "_adapter_feed_region": 5, "commit_columns": 7}}.items()}

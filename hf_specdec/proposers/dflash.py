@@ -42,7 +42,7 @@ from ..costs import best_count
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.dflash import DFlashDrafter
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
-from ..syncs import host_side
+from ..syncs import host_side, to_device
 from ..tree import DraftTree
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
@@ -114,8 +114,9 @@ class DFlashProposer(FeatureDrafterProposer):
 
     def graph_key(self):
         """What a CUDA graph of :meth:`_block_region` is recorded over (:mod:`hf_specdec.graphs`): the drafter's cache
-        and the drafter (with the target's embeddings and LM head it holds)."""
-        return self.cache, self.drafter
+        (and the features held with it), the drafter (with the target's embeddings and LM head it holds) and the call's
+        buffered layout."""
+        return self.cache, self.drafter, getattr(self, "_layout", None)
 
     def _block_fixed(self, state) -> tuple[torch.Tensor, int]:
         """:meth:`_block_eager` at fixed shapes: the new context columns padded to a bucket of rows (the padding rows
@@ -129,11 +130,22 @@ class DFlashProposer(FeatureDrafterProposer):
         layout = state.layout
         n = layout.length - self.synced
         rows = feed_rows(n)
+        width = min(self.block_size - 1, self.tree_budget or self.block_size)
+        roots, root_positions = self._on(state.roots()), self._on(state.root_positions)
+        self._layout = layout if isinstance(layout, cache_ops.BufferedLayout) and \
+            layout.buffers[0].device == self.device else None
+        if self._layout is not None and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
+            self.hold_features(layout.buffers[0].shape[1])
+            region = self._fixed.fixed(type(self)._buffered_block_region)
+            region.warm(self, "blocks", FEED_SIZES, lambda size: region(
+                self, roots, root_positions, to_device([self.synced, 0], roots.device), size, width))
+            logits = region(self, roots, root_positions, to_device([self.synced, n], roots.device), rows, width)
+            self.synced = layout.length
+            return logits[:, :state.deepest(width)], n
         inputs = self._fixed.fused(_fixed_block_inputs)(
             self._on(layout.valid), self._on(layout.positions), self.features, self._on(state.roots()),
             self._on(state.root_positions), self.synced, rows, self._block_base, self.block_size,
             self.drafter.config.mask_token_id)
-        width = min(self.block_size - 1, self.tree_budget or self.block_size)
         if n > FEED_BUCKETS_UP_TO:
             logits = self._block_region(*inputs, width)
         else:
@@ -153,6 +165,29 @@ class DFlashProposer(FeatureDrafterProposer):
                 ctx_pos.new_zeros(ctx_pos.shape[0], rows),
                 torch.cat([columns.new_full((rows,), self._block_base - 1), columns[-size:]]), torch.zeros_like(seen),
                 torch.zeros_like(key_pos), torch.zeros_like(block), torch.zeros_like(block_pos))
+
+    def _buffered_block_region(self, roots, root_positions, scalars, rows: int, width: int):
+        """:meth:`_block_region` over the call's :class:`~hf_specdec.cache.BufferedLayout` and the held features
+        (:meth:`hold_features`), both reached through the proposer (its :meth:`graph_key` holds them), the inputs made
+        inside the region as :func:`_fixed_block_inputs` makes them: ``n = scalars[1]`` of the layout's columns from
+        ``scalars[0]`` as context rows padded to ``rows`` (``n = 0``: every one the scratch column's, what warms a size
+        up), then the block after the root (``roots, root_positions [B]``)."""
+        valid, _, positions = self._layout.buffers
+        features, length, base, size = self.cache.features, valid.shape[1], self._block_base, self.block_size
+        start, n = scalars[0], scalars[1]
+        device = valid.device
+        j = torch.arange(rows, device=device)
+        at, inside = (start + j).clamp(max=length - 1), j < n
+        ctx_features = torch.where(inside[None, :, None], features[:, at], 0)
+        ctx_pos = torch.where(inside, positions[:, at], 0)
+        columns = torch.cat([torch.where(inside, start + j, base - 1), torch.arange(base, base + size, device=device)])
+        before = torch.arange(base, device=device) < start + n  # the context columns
+        seen = F.pad(F.pad(valid, (0, base - length)) & before, (0, size))
+        block_pos = root_positions[:, None] + torch.arange(size, device=device)
+        key_pos = torch.cat([torch.where(before, F.pad(positions, (0, base - length)), 0), block_pos], dim=1)
+        block = torch.cat([roots[:, None], roots.new_full((roots.shape[0], size - 1),
+                                                          self.drafter.config.mask_token_id)], dim=1)
+        return self._block_region(ctx_features, ctx_pos, columns, seen, key_pos, block, block_pos, width)
 
     def _block_region(self, features, ctx_pos, columns, seen, key_pos, block, block_pos, width: int):
         """One drafter forward: context rows ``features [B, c, F]`` at positions ``ctx_pos [B, c]`` written at the
