@@ -94,6 +94,7 @@ class FixedDraftCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.at = None
+        self.features = None  # a feature drafter's held target features (FeatureDrafterProposer.hold_features)
 
     def allocate(self, batch_size: int, heads: int, head_dim: int, layers: int, dtype, device) -> "FixedDraftCache":
         """Zeroed buffers for ``layers`` layers (before any forward: never inside a compiled region)."""
@@ -390,6 +391,10 @@ class CacheLayout:
         """Take the layout ``(valid, positions, tokens)`` that :func:`path_columns` made: these columns, then new ones
         with ``counts`` real columns per row (host data)."""
         self.valid, self.positions, self.tokens = valid, positions, tokens
+        self._add_counts(counts)
+
+    def _add_counts(self, counts: list[int] | None) -> None:
+        """``counts`` more real columns per row (host data; ``None``: not known, so no longer kept)."""
         if self.counts is not None:
             self.counts = [a + b for a, b in zip(self.counts, counts)] if counts is not None else None
 
@@ -467,28 +472,38 @@ class BufferedLayout(CacheLayout):
             self._views = (self._length, tuple(buf[:, :self._length] for buf in self.buffers))
         return self._views[1][i]
 
-    def _fill(self, *tensors) -> None:
+    def _fill(self, *tensors, start: int = 0) -> None:
+        """The columns ``start..`` of ``tensors`` (``valid, positions, tokens [B, T]``) into the buffers: it then
+        holds ``T`` columns."""
         length = tensors[0].shape[1]
         for buf, t in zip(self.buffers, tensors):
-            buf[:, :length] = t
+            buf[:, start:length] = t[:, start:]
         self._length = length
 
     def advance(self, width: int, counts: list[int]) -> None:
         """After :func:`write_path_columns` wrote a step's kept paths: ``width`` more columns, of which ``counts``
         real per row (host data)."""
         self._length += width
-        if self.counts is not None:
-            self.counts = [a + b for a, b in zip(self.counts, counts)]
+        self._add_counts(counts)
 
     def grow(self, valid, positions, tokens, counts=None) -> None:
-        self._fill(valid, positions, tokens)
-        if self.counts is not None:
-            self.counts = [a + b for a, b in zip(self.counts, counts)] if counts is not None else None
+        """:meth:`CacheLayout.grow` (a step not run at fixed shapes): the new columns written into the buffers."""
+        self._fill(valid, positions, tokens, start=self._length)
+        self._add_counts(counts)
 
     def gather(self, index: torch.LongTensor) -> "BufferedLayout":
         """A compaction, in place: the columns ``index [B, T']`` moved to the front."""
         self._fill(*(buf.gather(1, index) for buf in self.buffers))
         return self
+
+
+def window(scalars: torch.LongTensor, rows: int, width: int):
+    """Inside a fixed-shape region, the ``rows`` columns from ``start = scalars[0]`` of a :class:`BufferedLayout` of
+    ``width`` columns, ``n = scalars[1]`` of them real: ``(j, at, inside)``, the rows ``0..rows - 1``, the column each
+    reads (``start + j``, kept inside the buffers) and ``j < n``."""
+    start, n = scalars[0], scalars[1]
+    j = torch.arange(rows, device=scalars.device)
+    return j, (start + j).clamp(max=width - 1), j < n
 
 
 def write_path_columns(layout: BufferedLayout, start: torch.LongTensor, tokens: torch.LongTensor,

@@ -252,7 +252,8 @@ class CompiledSession(TargetSession):
         if key not in self.runner.compiled_fns:
             self.runner.compiled_fns[key] = StepRule(self.runner.fixed(STEP_RULES[fn]), fn)
         rule = self.runner.compiled_fns[key]
-        rule.session, rule.tensors = self, tensors
+        rule.tensors = tensors
+        self._written = True  # accept() calls the rule it asked for: it writes the layout's new columns
         return rule
 
     def keep_accepted(self, state, tree, result, past: int) -> None:
@@ -415,18 +416,15 @@ class StepRule:
 
     def __init__(self, region: FixedShapeRegion, rule):
         self.region, self.rule = region, rule
-        self.session = self.tensors = None
+        self.tensors = None
 
     def __call__(self, tokens, parents, valid, *args):
         layout, packed, scalars, roots = self.tensors
         if self.rule is greedy_rule:
             _ancestors_, _depths_, logits, chain, count_drafts = args
-            out = self.region(layout, packed, logits, scalars, roots, chain, count_drafts)
-        else:
-            logits, noise, depth, warp, keep_scores, count_drafts = args[:6]
-            out = self.region(layout, packed, logits, noise, scalars, roots, depth, warp, keep_scores, count_drafts)
-        self.session._written = True
-        return out
+            return self.region(layout, packed, logits, scalars, roots, chain, count_drafts)
+        logits, noise, depth, warp, keep_scores, count_drafts = args[:6]
+        return self.region(layout, packed, logits, noise, scalars, roots, depth, warp, keep_scores, count_drafts)
 
 
 def _pad_nodes(input_ids, position_ids, attention_mask, pad: int):

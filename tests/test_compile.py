@@ -138,6 +138,19 @@ def test_a_buffered_layout_compacts_in_place(eager_backend, monkeypatch):
     assert [type(kept) for kept in runner_for(target, compile=True).layouts.values()] == [cache_ops.BufferedLayout]
 
 
+def test_a_rule_on_the_host_grows_the_buffered_layout(eager_backend):
+    """Greedy with a logits processor (a repetition penalty) verifies on the host, not in the fixed-shape rule: the
+    buffered layout then takes the step's columns from the layout's functions (BufferedLayout.grow), and the output
+    stays the target's own."""
+    import test_syncs
+
+    target = test_syncs._target()
+    ids, mask = prompts(3, 12, seed=5)
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=20, repetition_penalty=1.3, **KW)
+    out = target.generate(**kw, compile=True, custom_generate=test_syncs.method("prompt_lookup", target))
+    assert torch.equal(out, target.generate(**kw))
+
+
 def _eagle3(target):
     """A tiny random EAGLE-3 drafter for ``target`` (as tests/test_eagle3.py makes them)."""
     weights = random_weights(target_hidden=target.config.hidden_size, seed=0, scale=0.5)

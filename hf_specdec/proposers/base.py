@@ -127,6 +127,7 @@ class Proposer:
     merges_rows: bool = True
     resumes_verification: bool = False
     _fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
+    _layout = None  # the call's BufferedLayout while it drafts at fixed shapes over one (:meth:`_hold_layout`)
 
     def longest_path(self) -> int:
         """The longest path its trees may have, root included (:attr:`max_path`, at most :attr:`max_nodes`)."""
@@ -164,6 +165,15 @@ class Proposer:
                                                 self.device)
         self.synced = 0
         return base
+
+    def _hold_layout(self, state) -> bool:
+        """Drafting at fixed shapes: keep the call's layout as ``self._layout`` when ``compile=True`` holds it in
+        buffers on the drafter's cache's device (:class:`~hf_specdec.cache.BufferedLayout`: a feed then makes its
+        inputs inside its region from them), else ``None``; its :meth:`graph_key` holds it. Returns whether it is."""
+        layout = state.layout
+        held = isinstance(layout, cache_ops.BufferedLayout) and layout.buffers[0].device == self.cache.keys[0].device
+        self._layout = layout if held else None
+        return held
 
     def _fixed_cache_of(self, drafter, state, rows: int, heads: int, head_dim: int, layers: int, dtype, device):
         """The fixed cache of ``drafter`` for this batch size and width (:class:`~hf_specdec.cache.FixedDraftCache`):

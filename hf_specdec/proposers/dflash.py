@@ -116,7 +116,7 @@ class DFlashProposer(FeatureDrafterProposer):
         """What a CUDA graph of :meth:`_block_region` is recorded over (:mod:`hf_specdec.graphs`): the drafter's cache
         (and the features held with it), the drafter (with the target's embeddings and LM head it holds) and the call's
         buffered layout."""
-        return self.cache, self.drafter, getattr(self, "_layout", None)
+        return self.cache, self.drafter, self._layout
 
     def _block_fixed(self, state) -> tuple[torch.Tensor, int]:
         """:meth:`_block_eager` at fixed shapes: the new context columns padded to a bucket of rows (the padding rows
@@ -132,9 +132,7 @@ class DFlashProposer(FeatureDrafterProposer):
         rows = feed_rows(n)
         width = min(self.block_size - 1, self.tree_budget or self.block_size)
         roots, root_positions = self._on(state.roots()), self._on(state.root_positions)
-        self._layout = layout if isinstance(layout, cache_ops.BufferedLayout) and \
-            layout.buffers[0].device == self.device else None
-        if self._layout is not None and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
+        if self._hold_layout(state) and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
             self.hold_features(layout.buffers[0].shape[1])
             region = self._fixed.fixed(type(self)._buffered_block_region)
             region.warm(self, "blocks", FEED_SIZES, lambda size: region(
@@ -174,10 +172,8 @@ class DFlashProposer(FeatureDrafterProposer):
         up), then the block after the root (``roots, root_positions [B]``)."""
         valid, _, positions = self._layout.buffers
         features, length, base, size = self.cache.features, valid.shape[1], self._block_base, self.block_size
-        start, n = scalars[0], scalars[1]
-        device = valid.device
-        j = torch.arange(rows, device=device)
-        at, inside = (start + j).clamp(max=length - 1), j < n
+        (start, n), device = scalars, valid.device
+        j, at, inside = cache_ops.window(scalars, rows, length)
         ctx_features = torch.where(inside[None, :, None], features[:, at], 0)
         ctx_pos = torch.where(inside, positions[:, at], 0)
         columns = torch.cat([torch.where(inside, start + j, base - 1), torch.arange(base, base + size, device=device)])

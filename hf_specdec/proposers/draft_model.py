@@ -180,7 +180,7 @@ class DraftModelProposer(Proposer):
     def graph_key(self):
         """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache, the
         drafter, its restricted head and the call's buffered layout (whose buffers its feed reads)."""
-        return self.cache, self.drafter, self.head, getattr(self, "_layout", None)
+        return self.cache, self.drafter, self.head, self._layout
 
     def _propose_fixed(self, state, k: int):
         """:meth:`propose`'s drafting at fixed shapes: ``(drafts [B, k], probs [B, k, V] or None)``."""
@@ -191,9 +191,7 @@ class DraftModelProposer(Proposer):
         n = layout.length + 1 - self.synced  # the new context columns and the root
         rows = feed_rows(n)
         roots, root_positions = self._on(state.roots()), self._on(state.root_positions)
-        buffered = isinstance(layout, cache_ops.BufferedLayout) and layout.buffers[0].device == self.cache.keys[0].device
-        self._layout = layout if buffered else None
-        if buffered and n <= FEED_BUCKETS_UP_TO:  # the feed's inputs made inside its region, from the layout's buffers
+        if self._hold_layout(state) and n <= FEED_BUCKETS_UP_TO:  # the feed's inputs made inside its region, from the layout's buffers
             feed = self._fixed.fixed(type(self)._buffered_feed_region)
             feed.warm(self, "feeds", FEED_SIZES, lambda size: feed(
                 self, roots, root_positions, to_device([self.synced, 0], roots.device), size))  # the scratch column
@@ -247,16 +245,14 @@ class DraftModelProposer(Proposer):
         padded to ``rows`` (``n = 0``: every row the scratch column's, what warms a size up). Returns ``(logits [B, V],
         seen [B, width], the root's column [1])``."""
         valid, tokens, positions = self._layout.buffers
-        width, device = self.cache.width, valid.device
-        start, n = scalars[0], scalars[1]
-        j = torch.arange(rows, device=device)
+        width, (start, n) = self.cache.width, scalars
+        j, at, inside = cache_ops.window(scalars, rows, valid.shape[1])
         root = start + n - 1  # the root's column: the layout's length
-        at = (start + j).clamp(max=valid.shape[1] - 1)
         context, is_root = j < n - 1, j == n - 1
         tokens = torch.where(context, tokens[:, at], torch.where(is_root, roots[:, None], 0))
         positions = torch.where(context, positions[:, at], torch.where(is_root, root_positions[:, None], 0))
-        columns = torch.where(j < n, start + j, width - 1)
-        cols = torch.arange(width, device=device)
+        columns = torch.where(inside, start + j, width - 1)
+        cols = torch.arange(width, device=valid.device)
         seen = (F.pad(valid, (0, width - valid.shape[1])) & (cols < root)) | (cols == root)
         logits = self._feed_region(tokens, positions, columns, seen, (n - 1).clamp(min=0).reshape(1))
         return logits, seen, root.reshape(1)

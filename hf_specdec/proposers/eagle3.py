@@ -109,7 +109,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
     def graph_key(self):
         """What a CUDA graph of this proposer's regions is recorded over (:mod:`hf_specdec.graphs`): its cache (and the
         features held with it), its drafter, the tree's shape and the call's buffered layout."""
-        return self.cache, self.drafter, self.top_k, self._tree_base, getattr(self, "_layout", None)
+        return self.cache, self.drafter, self.top_k, self._tree_base, self._layout
 
     def _fixed_cache_for(self, state) -> None:
         """Draft over the runner's fixed cache (:meth:`_take_fixed_cache`), the tree's (chain's) rows after its
@@ -127,9 +127,7 @@ class Eagle3Proposer(FeatureDrafterProposer):
         n = layout.length - self.synced
         rows = feed_rows(n)
         roots = self._on(state.roots())
-        self._layout = layout if isinstance(layout, cache_ops.BufferedLayout) and \
-            layout.buffers[0].device == self.device else None
-        if self._layout is not None and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
+        if self._hold_layout(state) and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
             self.hold_features(layout.buffers[0].shape[1])
             region = self._fixed.fixed(type(self)._buffered_feed_region)
             region.warm(self, "feeds", FEED_SIZES,
@@ -165,10 +163,8 @@ class Eagle3Proposer(FeatureDrafterProposer):
         ``scalars[0]``, padded to ``rows`` (``n = 0``: every row the scratch column's, what warms a size up). Returns
         ``(logits, hidden)`` of the root rows and ``seen [B, width]``."""
         valid, tokens, positions = self._layout.buffers
-        features, width = self.cache.features, valid.shape[1]
-        start, n = scalars[0], scalars[1]
-        j = torch.arange(rows, device=valid.device)
-        at, inside = (start + j).clamp(max=width - 1), j < n
+        features, width, (start, n) = self.cache.features, valid.shape[1], scalars
+        j, at, inside = cache_ops.window(scalars, rows, width)
         fed = valid[:, at] & inside
         tokens = torch.where(inside, _next_tokens(fed, tokens[:, at], roots[:, None]), 0)
         features = torch.where(inside[None, :, None], features[:, at], 0)
