@@ -191,7 +191,7 @@ class DraftModelProposer(Proposer):
         n = layout.length + 1 - self.synced  # the new context columns and the root
         rows = feed_rows(n)
         roots, root_positions = self._on(state.roots()), self._on(state.root_positions)
-        if self._hold_layout(state) and n <= FEED_BUCKETS_UP_TO:  # the feed's inputs made inside its region, from the layout's buffers
+        if self._hold_layout(state) and n <= FEED_BUCKETS_UP_TO:  # the inputs made inside the region, from buffers
             feed = self._fixed.fixed(type(self)._buffered_feed_region)
             feed.warm(self, "feeds", FEED_SIZES, lambda size: feed(
                 self, roots, root_positions, to_device([self.synced, 0], roots.device), size))  # the scratch column
