@@ -28,13 +28,16 @@ change size every step and a dynamic cache grows by a column per token. So, with
   layout's buffers (:func:`greedy_step`, :func:`coupled_step`), and the cache commit (every layer's accepted columns
   moved into place, its length set: :func:`hf_specdec.cache.commit_columns`, a graph per bucket of kept columns over
   the kept static cache). The tree's mask and the greedy rule compile every bucket up to the proposer's largest tree
-  on first use, the commit every bucket up to its longest path; where the step cannot run so (flex attention's
-  BlockMasks, a cache over several devices, LayerSkip's resumed verification) it runs as before this existed;
+  on first use, the commit every bucket up to its longest path; a LayerSkip verification resumed from its early exit
+  is layers ``E..`` alone over the padded tree (:func:`resumed_layers`: its drafting ran every node's early layers);
+  where the step cannot run so (flex attention's BlockMasks, a cache over several devices, a resumed tree whose last
+  node's early layers did not run) it runs as before this existed;
 * the rest of the step goes through :meth:`CompiledRunner.fused` (dynamic shapes): the proposal of every other method
   that drafts with a network (:meth:`~hf_specdec.proposers.Proposer.network_parts`), a LayerSkip verification resumed
-  from its early exit (:meth:`~hf_specdec.stack.DecoderStack.resume`), the noise of coupled sampling, and the step's
-  functions of tensors where the step is not fixed. The host bookkeeping inside a proposal (lists of committed tokens,
-  the rows' budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would make a graph per list length.
+  without its last node's early layers (:meth:`~hf_specdec.stack.DecoderStack.resume`), the noise of coupled
+  sampling, and the step's functions of tensors where the step is not fixed. The host bookkeeping inside a proposal
+  (lists of committed tokens, the rows' budgets) is never traced (:func:`~hf_specdec.syncs.host_side`): dynamo would
+  make a graph per list length.
   ``hf_specdec.launches.LaunchCounter.dynamic`` counts the dynamic regions left in a step. The prefill runs eagerly.
 
 On a CPU the CPU kernel runner's products are not used (the compiled forward is the model's own code). In float32
@@ -67,6 +70,7 @@ from .graphs import FixedShapeRegion, dense
 from .launches import DYNAMIC, step_range
 from .placement import drafter_device
 from .runners import TargetRunner, TargetSession, device_type_of, logger
+from ._transformers import capture_off, capture_restore, static_layer_length
 from .syncs import to_device
 from .tree import DraftTree, _ancestors, _depths, buffered_tree_inputs, tree_inputs, unpack_tree
 from .verify import coupled_rule, greedy_rule
@@ -160,11 +164,9 @@ class CompiledSession(TargetSession):
 
     def hold(self, layout, proposer):
         """A :class:`~hf_specdec.cache.BufferedLayout` (the runner's, for the batch size) holding ``layout``, where the
-        step runs at fixed shapes: tensor masks (not flex's BlockMasks), the static cache on the layout's device, and
-        trees that do not resume the target's forward from an early exit (LayerSkip's:
-        :attr:`~hf_specdec.proposers.Proposer.resumes_verification`)."""
-        resumes = any(part.resumes_verification for part in [proposer, *proposer.network_parts()])
-        if not resumes and self._masks_are_tensors() and self._one_device() == layout.valid.device:
+        step runs at fixed shapes: tensor masks (not flex's BlockMasks) and the static cache on the layout's
+        device."""
+        if self._masks_are_tensors() and self._one_device() == layout.valid.device:
             key = (layout.valid.shape[0], self.kv_width, str(layout.valid.device))
             kept = self.runner.layouts
             buffered = kept.pop(key, None) or cache_ops.BufferedLayout(*key[:2], layout.valid.device)
@@ -177,7 +179,8 @@ class CompiledSession(TargetSession):
     def verify(self, state, tree):
         self._past = state.layout.length
         self._step, self._written = None, False
-        if isinstance(state.layout, cache_ops.BufferedLayout) and tree.resume is None:
+        resumed = tree.resume is None or tree.resume.hidden.shape[1] >= tree.num_nodes
+        if isinstance(state.layout, cache_ops.BufferedLayout) and resumed:
             return self._verify_fixed(state, tree)
         return super().verify(state, tree)
 
@@ -201,22 +204,43 @@ class CompiledSession(TargetSession):
         region.warm(layout, ("tree", bsz, chain), sizes, lambda w: tree_inputs_of(self._root_only(bsz, w, device)))
         tokens, valid, anc, depths, positions, mask = tree_inputs_of(packed)
         tree.set_facts(anc[:, :q, :q], depths[:, :q])
-        out = self.forward(tokens, mask, positions)
+        if tree.resume is None:
+            out = self.forward(tokens, mask, positions)
+            logits, hidden = out.logits.float(), self._hidden(out)
+        else:
+            logits, hidden = self._resumed(tree.resume, mask, positions, scalars, sizes,
+                                           lambda w: tree_inputs_of(self._root_only(bsz, w, device))[-2:])
         if state.coupling is None and not state.do_sample:  # the greedy rule's sizes too, before its first use
             rule, count = self.runner.fixed(greedy_step), not (chain and tree.host_drafts is not None)
-            vocab = out.logits.shape[-1]
+            vocab = logits.shape[-1]
             rule.warm(layout, ("greedy", bsz, chain, count), sizes, lambda w: rule(
                 layout, self._root_only(bsz, w, device), torch.zeros(bsz, w, vocab, device=device), scalars,
                 state.root_positions, chain, count))
         padded = DraftTree(tokens=tokens, parents=packed[:, n:2 * n], valid=valid, is_chain=tree.is_chain,
                            host_drafts=tree.host_drafts, host_depth=tree.host_depth)
         padded.set_facts(anc, depths)
-        logits = out.logits.float()
         self._step = (padded, logits, (state.layout, packed, scalars, state.root_positions))
-        hidden = self._hidden(out)
         if hidden is not None and n > q:
             hidden = tuple(h if h is None else h[:, :q] for h in hidden)
         return (logits[:, :q] if n > q else logits), hidden
+
+    def _resumed(self, resume, mask, positions, scalars, sizes: list[int], inputs_of):
+        """The forward of a padded tree (``positions [B, n]``, its ``mask``) whose real nodes all went through layers
+        ``0..E-1`` in the drafting (``resume``, LayerSkip's: their keys and values already in the cache): layers
+        ``E..`` one region (:func:`resumed_layers`), the padding nodes' exit states zeros; compiled at every width of
+        ``sizes`` on first use (``inputs_of(width)``: ``(positions, mask)`` of a tree that wide). Returns ``(logits
+        [B, n, V] fp32, hidden states or None)``."""
+        stack, pieces = self._resumed_stack(resume.layer)
+        owner = _ResumedLayers(stack, self._static_columns())
+        region, n, q = self.runner.fixed(resumed_layers), positions.shape[1], resume.hidden.shape[1]
+        hidden = resume.hidden[:, :n] if q >= n else torch.nn.functional.pad(resume.hidden, (0, 0, 0, n - q))
+        # every size on first use: they write layers E.. after the layout only, which this step's forward overwrites
+        most = bucket_size(resume.max_nodes) if resume.max_nodes else sizes[-1]
+        sizes = [w for w in sizes if w <= most or w == n]
+        region.warm(owner, ("resumed", tuple(pieces)), sizes, lambda w: region(
+            owner, hidden.new_zeros(hidden.shape[0], w, hidden.shape[2]), *inputs_of(w)[::-1], scalars, pieces))
+        logits, captured = region(owner, hidden, mask, positions, scalars, pieces)
+        return logits, self._resumed_hidden(captured)
 
     def _sizes(self, n: int) -> list[int]:
         """The tree widths the step's regions are compiled at on first use: ``n`` and every bucket up to the
@@ -287,10 +311,8 @@ class CompiledSession(TargetSession):
     def keep_columns(self, start: int, index, width: int) -> None:
         if self._one_device() is False:  # layers placed on several devices: one at a time
             return super().keep_columns(start, index, width)
-        layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
-        if self._columns is None or self._columns.cache is not self.cache:
-            self._columns = cache_ops.StaticColumns(self.cache, layers)
-        owner, device, bsz, k = self._columns, self._cache_device, layers[0].keys.shape[0], bucket_size(width)
+        owner = self._static_columns()
+        device, bsz, k = self._cache_device, owner.keys[0].shape[0], bucket_size(width)
         region = self.runner.fixed(cache_ops.commit_columns)
         if not region.warmed(owner, ("commit", bsz, k)):
             # every size the call's trees may keep, on first use: with an identity index (nothing moves), so that a
@@ -304,6 +326,13 @@ class CompiledSession(TargetSession):
             index = index.to(device)
             index = torch.nn.functional.pad(index, (0, k - index.shape[1])) if index.shape[1] < k else index[:, :k]
         region(owner, to_device([start, width], device), index)
+
+    def _static_columns(self) -> cache_ops.StaticColumns:
+        """The static cache's buffers, as the regions that write them are recorded over (made once per cache)."""
+        if self._columns is None or self._columns.cache is not self.cache:
+            layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+            self._columns = cache_ops.StaticColumns(self.cache, layers)
+        return self._columns
 
     def _identity(self, bsz: int, k: int, device) -> torch.LongTensor:
         """``[bsz, k]`` column indices ``0..k-1`` (made once per shape and call)."""
@@ -407,6 +436,32 @@ def coupled_step(layout, packed, logits, noise, scalars, root_positions, depth: 
 
 
 STEP_RULES = {greedy_rule: greedy_step, coupled_rule: coupled_step}
+
+
+def resumed_layers(owner, hidden, mask, positions, scalars, pieces):
+    """:meth:`~hf_specdec.stack.DecoderStack.finish` at fixed shapes (a region the compiled runner replays as one CUDA
+    graph): layers ``E..`` (``pieces[0][0]``) of the padded tree's ``hidden [B, n, H]`` exit states written at the
+    static cache's columns ``scalars[0]..`` (each such layer's write position set first), the final norm and the LM
+    head. ``owner``: :class:`_ResumedLayers`."""
+    stack, cache = owner.stack, owner.columns.cache
+    for layer in cache.layers[pieces[0][0]:]:
+        length = static_layer_length(layer)
+        length.copy_(scalars[:1].view_as(length))
+    token = capture_off()  # the layers run outside the model's forward: what a call keeps is returned
+    out = stack.finish(hidden, mask, positions, cache, pieces)
+    capture_restore(token)
+    return out
+
+
+class _ResumedLayers:
+    """What :func:`resumed_layers` runs over: the target's layers (a :class:`~hf_specdec.stack.DecoderStack`) and its
+    static cache, whose buffers a CUDA graph of it is recorded over (its :meth:`graph_key`)."""
+
+    def __init__(self, stack, columns: cache_ops.StaticColumns):
+        self.stack, self.columns = stack, columns
+
+    def graph_key(self):
+        return self.columns.graph_key()
 
 
 class StepRule:

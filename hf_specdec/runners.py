@@ -191,23 +191,33 @@ class TargetSession:
         forward, in two pieces)."""
         from .stack import DecoderStack
 
-        if self._stack is None:
-            self._stack = DecoderStack(self.model)
-        stack, exit_layer = self._stack, tree.resume.layer
-        wanted = self.forward_kwargs.get("output_hidden_states") or []
-        if any(i < exit_layer for i in wanted):
-            raise ValueError(f"A resumed verification has no hidden states before layer {exit_layer}; asked for "
-                             f"{sorted(wanted)}.")
-
-        pieces = _pieces(exit_layer, stack.num_layers, wanted)
+        stack, pieces = self._resumed_stack(tree.resume.layer)
         with self.forward_context(tree.num_nodes):
             # one compiled region under compile=True (the runner's fused; as it is for an eager runner)
             logits, captured = self.runner.fused(DecoderStack.resume)(
                 stack, tree.tokens, tree.resume.hidden, mask, positions, self.cache, pieces)
-        hidden_states = None
-        if self.wants_hidden:
-            hidden_states = tuple(captured.get(i) if i in wanted else None for i in range(stack.num_layers + 1))
-        return logits, hidden_states
+        return logits, self._resumed_hidden(captured)
+
+    def _resumed_stack(self, exit_layer: int):
+        """``(stack, pieces)`` for a verification resumed at ``exit_layer``: the target's
+        :class:`~hf_specdec.stack.DecoderStack` (made once per call) and the layers ``exit_layer..`` cut where the
+        call keeps hidden states."""
+        from .stack import DecoderStack
+
+        if self._stack is None:
+            self._stack = DecoderStack(self.model)
+        wanted = self.forward_kwargs.get("output_hidden_states") or []
+        if any(i < exit_layer for i in wanted):
+            raise ValueError(f"A resumed verification has no hidden states before layer {exit_layer}; asked for "
+                             f"{sorted(wanted)}.")
+        return self._stack, _pieces(exit_layer, self._stack.num_layers, wanted)
+
+    def _resumed_hidden(self, captured: dict):
+        """The hidden states a resumed verification returns, of the layers ``captured`` holds (``None``: not asked)."""
+        if not self.wants_hidden:
+            return None
+        wanted = self.forward_kwargs.get("output_hidden_states") or []
+        return tuple(captured.get(i) if i in wanted else None for i in range(self._stack.num_layers + 1))
 
     def _hidden(self, out):
         return getattr(out, "hidden_states", None) if self.wants_hidden else None

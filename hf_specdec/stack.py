@@ -100,15 +100,22 @@ class DecoderStack:
             rest = positions[:, done:]
             hidden = self.run(hidden, 0, exit_layer, mask_rows(mask, done), self.rotary(hidden, rest), rest, cache)
         hidden = torch.cat([resumed.to(hidden.device, hidden.dtype), hidden], dim=1)
-        captured = {exit_layer: hidden}
+        logits, captured = self.finish(hidden, mask, positions, cache, pieces)
+        # on the tokens' device, as the model's own forward returns them (Accelerate: the LM head's may differ)
+        return logits.to(tokens.device), captured
+
+    def finish(self, hidden: torch.Tensor, mask, positions, cache, pieces) -> tuple:
+        """Layers ``E..`` over ``hidden [B, N, H]`` (every token's output of layer ``E - 1``) in ``pieces``, the final
+        norm and the LM head: ``(logits [B, N, V] fp32, {layer index: hidden states})`` as :meth:`resume` returns
+        them."""
+        captured = {pieces[0][0]: hidden}
         rope = self.rotary(hidden, positions)
         for start, stop in pieces:
             hidden = self.run(hidden, start, stop, mask, rope, positions, cache)
             captured[stop] = hidden
         normed = self.norm(hidden)
         captured[self.num_layers] = normed
-        # on the tokens' device, as the model's own forward returns them (Accelerate: the LM head's may differ)
-        return self.logits(normed, normed=True).to(tokens.device), captured
+        return self.logits(normed, normed=True), captured
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.base.norm(hidden)

@@ -24,10 +24,13 @@ class Resume:
     """What a proposer computed of the target's forward over a tree: layers ``0..layer-1`` for its first
     ``hidden.shape[1]`` nodes, whose keys/values are already in the target cache (columns after the layout, in node
     order) and whose output of layer ``layer - 1`` is ``hidden [B, n, H]``. Verification runs those layers for the
-    remaining nodes only, and layers ``layer..`` for all (:meth:`hf_specdec.runners.TargetSession.verify`)."""
+    remaining nodes only, and layers ``layer..`` for all (:meth:`hf_specdec.runners.TargetSession.verify`).
+    ``max_nodes``: the most nodes the proposer's resumed trees have (the widths a compiled verification prepares for
+    them; ``None``: any the call's trees may have)."""
 
     layer: int
     hidden: torch.Tensor
+    max_nodes: int | None = None
 
 
 @dataclass
@@ -125,22 +128,28 @@ class DraftTree:
                 drafts = drafts[:, :longest]
                 draft_probs = draft_probs[:, :longest] if draft_probs is not None else None
         k = drafts.shape[1]
-        tokens = torch.cat([root[:, None], drafts], dim=1)
-        parents = _chain_parents(bsz, k + 1, device)
         if num_drafts is None:
             counts = [k] * bsz
         if counts is not None:  # valid nodes and depths from the host counts: one copy, nothing computed
             rows = to_device([[j if j <= c else -1 for j in range(k + 1)] for c in counts], device)
+            tokens, probs = chain_tensors(root, drafts, None, draft_probs)[::3]
             valid, depths = rows >= 0, rows.clamp(min=0)  # padding nodes: depth 0
         else:
-            valid = torch.arange(k + 1, device=device)[None, :] <= num_drafts.to(device)[:, None]
-            depths = torch.arange(k + 1, device=device).expand(bsz, k + 1) * valid  # padding nodes: depth 0
-        probs = None
-        if draft_probs is not None:
-            probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
-        tree = cls(tokens=tokens, parents=parents, valid=valid, draft_probs=probs, is_chain=True, _depths=depths)
-        tree.host_drafts = counts
-        tree.host_depth = max(counts, default=0) if counts is not None else k
+            tokens, valid, depths, probs = chain_tensors(root, drafts, num_drafts.to(device), draft_probs)
+        tree = cls.chain_of(tokens, valid, depths, probs, counts)
+        if counts is None:
+            tree.host_drafts, tree.host_depth = None, k
+        return tree
+
+    @classmethod
+    def chain_of(cls, tokens: torch.LongTensor, valid: torch.BoolTensor, depths: torch.LongTensor,
+                 draft_probs: torch.Tensor | None, counts: list[int] | None) -> "DraftTree":
+        """A chain of :func:`chain_tensors` (made elsewhere: a fixed-shape region) and the rows' counts of real drafts
+        on the host."""
+        tree = cls(tokens=tokens, parents=_chain_parents(*tokens.shape, tokens.device), valid=valid,
+                   draft_probs=draft_probs, is_chain=True, _depths=depths)
+        tree.host_drafts = None if counts is None else [int(c) for c in counts]
+        tree.host_depth = max(tree.host_drafts or [], default=0)
         return tree
 
     def packed(self, width: int, zeros: torch.LongTensor | None = None) -> torch.LongTensor:
@@ -237,6 +246,24 @@ def tree_inputs(config, parents: torch.LongTensor, valid: torch.BoolTensor, chai
     positions = root_positions[:, None] + depths
     mask = build_attention_mask(config, past_valid, past_positions, positions, anc, dtype, kv_width=kv_width)
     return anc, depths, positions, mask
+
+
+def chain_tensors(root: torch.LongTensor, drafts: torch.LongTensor, num_drafts: torch.LongTensor | None,
+                  draft_probs: torch.Tensor | None = None) -> tuple:
+    """A chain's tensors with tensor operations only (traceable: :meth:`DraftTree.chain`'s device side): ``(tokens,
+    valid, depths [B, k + 1], draft_probs [B, k + 1, V] or None)`` of ``root [B]`` and ``drafts [B, k]``, the first
+    ``num_drafts [B]`` real (``None``: ``valid`` and ``depths`` not made)."""
+    bsz, k = drafts.shape
+    tokens = torch.cat([root[:, None], drafts], dim=1)
+    valid = depths = None
+    if num_drafts is not None:
+        index = torch.arange(k + 1, device=drafts.device)
+        valid = index[None, :] <= num_drafts[:, None]
+        depths = index.expand(bsz, k + 1) * valid  # padding nodes: depth 0
+    probs = None
+    if draft_probs is not None:
+        probs = torch.cat([draft_probs.new_zeros((bsz, 1, draft_probs.shape[-1])), draft_probs], dim=1)
+    return tokens, valid, depths, probs
 
 
 def _chain_parents(bsz: int, n: int, device) -> torch.LongTensor:

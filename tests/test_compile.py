@@ -163,23 +163,28 @@ def _eagle3(target):
 
 
 # the methods drafting at fixed shapes here, and the graphs each region compiles on the first call: EAGLE-3's feed at
-# 1, 2, 4, 8 and 16 rows and its tree at depth limits 1, 2 and 3; DFlash's block after 1..16 context rows; MTP's
-# feed and its chain of 1 and 2 drafts; a draft model's feed and its chain of 1, 2 and 3; LayerSkip's drafting step
-# (over the target's own cache) with an exit adapter and the adapter's feeds (Medusa:
+# 1, 2, 4, 8 and 16 rows, its tree at depth limits 1, 2 and 3, its ranking (with and without depth budgets) and its
+# tree of 1, 3 and 4 nodes after the root; DFlash's block after 1..16 context rows and its top tokens; MTP's feed, its
+# chain of 1 and 2 drafts and its tree of 0, 1 and 2; a draft model's feed and its chain of 1, 2 and 3; LayerSkip's
+# drafting step (over the target's own cache) with an exit adapter and the adapter's feeds (Medusa:
 # test_sampling_with_a_compiled_proposal)
 # the regions compiled per method (the loop's cache commit, commit_columns: a graph per bucket of kept columns, every
 # bucket up to the proposer's longest path warmed at the first commit)
 # the step's own regions: the tree's mask and the greedy rule at every bucket up to the largest tree, for the chains
 # and the trees a call meets (EAGLE-3 and DFlash: both), the cache commit at every bucket of kept columns; LayerSkip's
-# verification resumes from its early exit (the step as dynamic regions, its layout as it was)
-STEP = {"eagle3": 8, "dflash_tree": 8, "mtp": 3, "assisted": 3}
+# verification resumes from its early exit: layers E.. over the padded tree at every bucket of its own chains
+# (resumed_layers: 1, 2, 4 nodes; the step's other regions at every bucket of the hybrid lookup's trees too), after the
+# last draft's early layers (_early_region)
+STEP = {"eagle3": 8, "dflash_tree": 8, "mtp": 3, "assisted": 3, "layerskip": 7}
 FIXED = {name: {**regions, **({"buffered_tree_inputs": STEP[name], "greedy_step": STEP[name]} if name in STEP else {})}
          for name, regions in {
-    "eagle3": {"_buffered_feed_region": 5, "_expand_fixed": 3, "commit_columns": 3},
-    "dflash_tree": {"_buffered_block_region": 5, "commit_columns": 3},
-    "mtp": {"_buffered_feed_region": 5, "_draft_chain_fixed": 2, "commit_columns": 3},
+    "eagle3": {"_buffered_feed_region": 5, "_expand_fixed": 3, "_rank_region": 2, "_tree_region": 3,
+               "commit_columns": 3},
+    "dflash_tree": {"_buffered_block_region": 5, "_top_region": 1, "commit_columns": 3},
+    "mtp": {"_buffered_feed_region": 5, "_draft_chain_fixed": 2, "_chain_region": 3, "commit_columns": 3},
     "assisted": {"_buffered_feed_region": 5, "_chain_region": 3, "commit_columns": 3},
-    "layerskip": {"_step_region": 1, "_adapter_feed_region": 5, "commit_columns": 7}}.items()}
+    "layerskip": {"_draw_region": 1, "_early_region": 1, "resumed_layers": 3, "_adapter_feed_region": 5,
+                  "commit_columns": 7}}.items()}
 
 
 @pytest.mark.parametrize("name", list(FIXED))
@@ -229,8 +234,7 @@ def test_drafters_draft_at_fixed_shapes(name, eager_backend, monkeypatch):
             monkeypatch.setattr(FixedShapeRegion, "GRAPHED", ("cuda", "cpu"))
             monkeypatch.setattr(FixedShapeRegion, "GRAPH", _ReplayOnTheCpu)
     assert compiles[0] == compiles[1] == FIXED[name]
-    if name != "layerskip":  # its second call meets new paths of the loop's dynamic regions (a resumed verification
-        assert graphs[1] == graphs[0]  # of 1 node, a row accepting all): dynamo's 0/1 specialisation, once a process
+    assert graphs[1] == graphs[0]
     assert all(0 < r.captures <= FIXED[name][n] for n, r in regions.items())  # each shape used, captured once
     if name == "layerskip":  # the plain exit (no adapter) drafts through the same step region
         plain = test_syncs.method("layerskip", target)

@@ -113,9 +113,6 @@ class Proposer:
         merges_rows: whether its trees may be merged row by row with another source's drafts in one verification
             (hybrid drafting, :mod:`.hybrid`); ``False`` for a proposer whose drafting writes into the target's cache
             (LayerSkip): hybrid drafting then takes the other source for all rows or for none.
-        resumes_verification: its trees resume the target's forward from an early exit (``tree.resume``, LayerSkip):
-            the compiled runner then keeps the call's layout as it is (:meth:`~hf_specdec.runners.TargetSession.hold`)
-            instead of running the step at fixed shapes, which a resumed verification does not.
     """
 
     target_hidden_states: list[int] | None = None
@@ -125,7 +122,6 @@ class Proposer:
     max_path: int | None = None
     name: str = "proposer"
     merges_rows: bool = True
-    resumes_verification: bool = False
     _fixed = None  # the compiled runner while the call drafts at fixed shapes (:meth:`draft_at_fixed_shapes`)
     _layout = None  # the call's BufferedLayout while it drafts at fixed shapes over one (:meth:`_hold_layout`)
 

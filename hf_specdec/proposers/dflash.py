@@ -139,7 +139,7 @@ class DFlashProposer(FeatureDrafterProposer):
                 self, roots, root_positions, to_device([self.synced, 0], roots.device), size, width))
             logits = region(self, roots, root_positions, to_device([self.synced, n], roots.device), rows, width)
             self.synced = layout.length
-            return logits[:, :state.deepest(width)], n
+            return self._deepest(state, logits, width), n
         inputs = self._fixed.fused(_fixed_block_inputs)(
             self._on(layout.valid), self._on(layout.positions), self.features, self._on(state.roots()),
             self._on(state.root_positions), self.synced, rows, self._block_base, self.block_size,
@@ -152,7 +152,13 @@ class DFlashProposer(FeatureDrafterProposer):
                         lambda size: region(self, *self._scratch_block(inputs, size), width))
             logits = region(self, *inputs, width)
         self.synced = layout.length
-        return logits[:, :state.deepest(width)], n
+        return self._deepest(state, logits, width), n
+
+    def _deepest(self, state, logits: torch.Tensor, width: int) -> torch.Tensor:
+        """The block positions' ``logits`` a chain may draft from: those the deepest row's budget reaches. A tree
+        keeps them all (its host side cuts each row to its budget), so that its top tokens are one fixed shape
+        (:meth:`_top_region`)."""
+        return logits if self.tree_budget else logits[:, :state.deepest(width)]
 
     def _scratch_block(self, inputs, rows: int):
         """Inputs of ``rows`` context rows shaped as ``inputs`` that write only into the scratch column and the block's
@@ -312,9 +318,16 @@ class DFlashProposer(FeatureDrafterProposer):
         process = state.draft_process_fn()
         if process is not None:
             logits = _processed(state, process, logits)
-        top = self._fixed.fused(_top_tokens) if self._fixed is not None else _top_tokens
-        host = top(logits, min(self.TREE_WIDTH, self.tree_budget, logits.shape[-1])).tolist()  # the one read
+        k = min(self.TREE_WIDTH, self.tree_budget, logits.shape[-1])
+        if self._fixed is not None:  # one fixed-shape region (its logits as wide as the block's: _deepest)
+            host = self._fixed.fixed(type(self)._top_region)(self, logits, k).tolist()  # the one read
+        else:
+            host = _top_tokens(logits, k).tolist()  # the one read
         return self._tree_of(state, host, width, t0)
+
+    def _top_region(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """:func:`_top_tokens` as a fixed-shape region."""
+        return _top_tokens(logits, k)
 
     @host_side
     def _tree_of(self, state, host: list, width: int, t0: float | None) -> DraftTree | None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from .. import cache as cache_ops
-from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, feed_rows
+from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, bucket_size, feed_rows
 from ..coupling import apply_warpers
 from ..conversions.eagle3 import LAYOUTS, convert_eagle3, export_eagle3
 from ..default_model import MODEL_ID as SMOLLM2
@@ -30,7 +30,7 @@ from ..modeling.eagle3 import Eagle3Drafter
 from ..placement import drafter_device
 from ..registry import SCHEDULE, DrafterSpec, Method, Option, Shorthand
 from ..syncs import host_side, to_device
-from ..tree import DraftTree, build_attention_mask
+from ..tree import DraftTree, build_attention_mask, chain_tensors
 from .base import draft_vocab_ids
 from .features import FeatureDrafterProposer
 from .hybrid import HYBRID
@@ -191,7 +191,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
         max_depth = self._depth_limit(state, self.depth)
         if max_depth <= 0:
             return None
-        depth = self._candidates(max_depth)[0]
         own = self._own(self.top_k)
         region = self._fixed.fixed(type(self)._expand_fixed)
         root_positions = self._on(state.root_positions)
@@ -202,13 +201,19 @@ class Eagle3Proposer(FeatureDrafterProposer):
                           *self._coupling_inputs(state, logits.shape[-1], d), tuple(digits_d) if keyed_d else None, d)
 
         region.warm(self, state.coupling is None, [d for d in range(1, self.depth + 1) if d != max_depth], expand)
-        out = expand(max_depth)
-        return self._fixed.fused(type(self)._select)(self, state, *out[:3], depth, *out[3:])
+        return self._select_fixed(state, expand(max_depth), max_depth)
 
     def _expand_fixed(self, logits, hidden, root_positions, seen, own, noise, processors, digits, max_depth):
-        """The tree's expansion (:meth:`_expand`) over the fixed cache (:meth:`_fixed_parts`)."""
+        """The tree's expansion (:meth:`_expand`) over the fixed cache (:meth:`_fixed_parts`), its candidates padded to
+        those of a tree of the whole depth (as :meth:`_select_fixed` takes them: the missing ones score ``-inf``, are
+        ranked last and never kept; ``best`` -inf past ``max_depth``)."""
         visible, perturb, step = self._fixed_parts(seen, own, noise, processors)
-        return self._expand(logits, hidden, root_positions, visible, perturb, step, max_depth, digits)
+        score, tok, parent, key, best = self._expand(logits, hidden, root_positions, visible, perturb, step,
+                                                     max_depth, digits)
+        pad = (0, self._count(self.depth) - score.shape[1])
+        return (F.pad(score, pad, value=float("-inf")), F.pad(tok, pad), F.pad(parent, pad),
+                None if key is None else F.pad(key, pad, value=2 ** 62),
+                None if best is None else F.pad(best, (0, self.depth - best.shape[1]), value=float("-inf")))
 
     def _fixed_parts(self, seen, own, noise, processors):
         """``(visible, perturb, step)`` for :meth:`_expand` / :meth:`_draft_chain` over the fixed cache: what the
@@ -248,12 +253,39 @@ class Eagle3Proposer(FeatureDrafterProposer):
 
         region.warm(self, (state.coupling is None, state.do_sample), [n for n in range(1, self.chain + 1) if n != k],
                     draft)
-        return self._fixed.fused(type(self)._chain_tree)(self, state, *draft(k))
+        return self._chain_tree_fixed(state, *draft(k), k)
+
+    def _chain_tree_fixed(self, state, drafts, reach, probs, k: int):
+        """:meth:`_chain_tree` at fixed shapes (``drafts, reach, probs`` of ``k`` drafts padded to the longest chain's:
+        :meth:`_draft_chain_fixed`): the host read (adaptive), then the chain of ``2 ** i - 1`` drafts that holds
+        every row's count as one region (:meth:`_chain_region`; the drafts past a row's count not valid: the
+        verification runs at that bucket anyway), every width compiled on first use."""
+        counts = state.budgets(k)
+        if reach is not None:  # verify only the drafts that pay for their verification (the measured costs)
+            counts = self._paying_chains(state, [r[:k] for r in reach.tolist()], counts)  # the proposal's one read
+            if counts is None:
+                return None
+        most, dev, region = self.chain, drafts.device, self._fixed.fixed(type(self)._chain_region)
+        roots = self._on(state.roots())
+        widths = sorted({min(bucket_size(n + 1) - 1, most) for n in range(most + 1)})
+        region.warm(self, ("chain", probs is None), widths,
+                    lambda w: region(self, roots, drafts, to_device([0] * len(counts), dev), probs, w))
+        parts = region(self, roots, drafts, to_device(counts, dev), probs,
+                       min(bucket_size(max(counts) + 1) - 1, most))
+        return DraftTree.chain_of(*(None if t is None else t.to(state.device) for t in parts), counts)
+
+    def _chain_region(self, roots, drafts, counts, probs, width: int):
+        """The tensors of the chain of each row's first ``width`` drafts (``drafts [B, k]``, ``probs [B, k, V]`` or
+        ``None``), the first ``counts [B]`` real: :func:`~hf_specdec.tree.chain_tensors`."""
+        return chain_tensors(roots, drafts[:, :width], counts, None if probs is None else probs[:, :width])
 
     def _draft_chain_fixed(self, logits, hidden, root_positions, seen, own, noise, processors, sample, vocab, k):
-        """The chain's drafting (:meth:`_draft_chain`) over the fixed cache (:meth:`_fixed_parts`)."""
+        """The chain's drafting (:meth:`_draft_chain`) over the fixed cache (:meth:`_fixed_parts`), its ``k`` drafts
+        padded with zeros to the longest chain's (as :meth:`_chain_tree_fixed` takes them)."""
         visible, perturb, step = self._fixed_parts(seen, own, noise, processors)
-        return self._draft_chain(logits, hidden, root_positions, visible, perturb, step, k, sample, vocab)
+        out = self._draft_chain(logits, hidden, root_positions, visible, perturb, step, k, sample, vocab)
+        pad = self.chain - k
+        return tuple(t if t is None or not pad else F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in out)
 
     def begin(self, state) -> None:
         super().begin(state)
@@ -581,22 +613,83 @@ class Eagle3Proposer(FeatureDrafterProposer):
         are <= 0) and a stable sort keeps equal scores in candidate order, where parents come first, so every
         best-first prefix is closed under ancestors. Adaptive, the proposal's one host read takes the best scores
         (and ``best``); the rest is decided on the host."""
-        bsz, dev, top_k = state.batch_size, score.device, self.top_k
+        dev = score.device
         depths = self._depth_of(score.shape[1])
         keep_n = min(self.total_tokens - 1, score.shape[1])
         budgets, counts = self._budgets(state, depths, keep_n)
-        if budgets is not None:  # some row may not draft as deep: its deeper ones last
-            score = score.masked_fill(depth > budgets[:, None], float("-inf"))
-        ranked_score, ranked = score.sort(dim=1, descending=True, stable=True)
+        ranked, probs = self._ranked(score, depth, budgets, best, keep_n)
         if self.adaptive:
-            counts = self._paying_counts(state, torch.cat([ranked_score[:, :keep_n].exp().flatten(),
-                                                           best.exp().flatten()]), keep_n, depths, counts)
+            counts = self._paying_counts(state, probs, keep_n, depths, counts)
         width = max(counts)
         if width == 0:
             return None
-        nodes = ranked[:, :width]  # [B, W] the candidate of each tree node after the root, best first
         keep = None if min(counts) == width else \
             torch.arange(width, device=dev) < to_device(counts, dev)[:, None]  # None: every node kept
+        parts = self._tree_parts(ranked[:, :width], tok, parent, depth, key,
+                                 self._spans(score.shape[1], dev) if key is not None else None, keep,
+                                 self._on(state.roots()))
+        return self._draft_tree(state, parts, depths, counts)
+
+    def _select_fixed(self, state, out, max_depth: int):
+        """:meth:`_select` at fixed shapes: ``out`` (:meth:`_expand_fixed`'s, its candidates padded to those of the
+        whole depth) ranked in one region (:meth:`_rank_region`), the host read, then the tree of each row's kept
+        candidates as one region at a width of ``2 ** i - 1`` nodes after the root (:meth:`_tree_region`: the nodes
+        past a row's count not valid; the verification runs at that bucket anyway). Every width and both kinds of
+        budgets compile on first use."""
+        score, tok, parent, key, best = out
+        if self.top_k == 1:  # a chain: the verifier's fast path, cut to the longest row
+            return self._fixed.fused(type(self)._select)(self, state, score[:, :max_depth], tok[:, :max_depth],
+                                                         parent[:, :max_depth], self._candidates(max_depth)[0],
+                                                         None if key is None else key[:, :max_depth],
+                                                         None if best is None else best[:, :max_depth])
+        dev, most = score.device, min(self.total_tokens - 1, score.shape[1])
+        keep_n = min(self.total_tokens - 1, self._count(max_depth))
+        budgets, counts = self._budgets(state, max_depth, keep_n)
+        depth = self._candidates(self.depth)[0]
+        spans = self._spans(self._count(max_depth), dev, pad_to=score.shape[1]) if key is not None else None
+        rank, tree = self._fixed.fixed(type(self)._rank_region), self._fixed.fixed(type(self)._tree_region)
+        roots, kind = self._on(state.roots()), ("select", key is None, best is None)
+        if not tree.warmed(self, kind):  # the ranking with and without budgets, the tree at every width
+            ones = to_device([1] * state.batch_size, dev)
+            ranked = [rank(self, score, depth, b, best, most)[0] for b in (ones, None)][-1]
+            tree.warm(self, kind, sorted({min(bucket_size(w + 1) - 1, most) for w in range(1, most + 1)}),
+                      lambda w: tree(self, ranked, tok, parent, depth, key, spans, ones, roots, w))
+        ranked, probs = rank(self, score, depth, budgets, best, most)
+        if self.adaptive:
+            counts = self._paying_counts(state, probs, keep_n, max_depth, counts, stride=most)
+        if max(counts) == 0:
+            return None
+        width = min(bucket_size(max(counts) + 1) - 1, most)
+        parts = tree(self, ranked, tok, parent, depth, key, spans, to_device(counts, dev), roots, width)
+        return self._draft_tree(state, parts, max_depth, counts)
+
+    def _rank_region(self, score, depth, budgets, best, most: int):
+        """:meth:`_ranked` as a fixed-shape region."""
+        return self._ranked(score, depth, budgets, best, most)
+
+    def _ranked(self, score, depth, budgets, best, most: int):
+        """``(ranked [B, C], probs or None)``: each row's candidates best first (those deeper than the row's depth
+        budget, ``budgets [B]`` or ``None``, last), and (adaptive) what the proposal's host read takes: the best
+        ``most`` candidates' probabilities, then each depth's best node's (``best [B, D]``)."""
+        if budgets is not None:  # some row may not draft as deep: its deeper ones last
+            score = score.masked_fill(depth > budgets[:, None], float("-inf"))
+        ranked_score, ranked = score.sort(dim=1, descending=True, stable=True)
+        probs = torch.cat([ranked_score[:, :most].exp().flatten(), best.exp().flatten()]) if self.adaptive else None
+        return ranked, probs
+
+    def _tree_region(self, ranked, tok, parent, depth, key, spans, counts, root, width: int):
+        """:meth:`_tree_parts` as a fixed-shape region: each row's best ``width`` candidates, the first ``counts [B]``
+        kept."""
+        keep = torch.arange(width, device=ranked.device) < counts[:, None]
+        return self._tree_parts(ranked[:, :width], tok, parent, depth, key, spans, keep, root)
+
+    def _tree_parts(self, nodes, tok, parent, depth, key, spans, keep, root):
+        """The draft tree of the candidates ``nodes [B, W]`` (each row's best, best first; ``keep [B, W]``: those it
+        keeps, ``None``: all), in depth-first order where ``key`` is given: ``(tokens, parents, valid, depths,
+        ancestors or None)`` of its ``W + 1`` nodes (``root [B]`` first; a node not kept is padding: not valid, a child
+        of the root). ``spans [C]``: :meth:`_spans`."""
+        bsz, width = nodes.shape
+        dev, top_k = nodes.device, self.top_k
         ancestors = None
         if key is not None:  # depth-first: kept nodes first, in key order
             node_key = key.gather(1, nodes)
@@ -606,43 +699,52 @@ class Eagle3Proposer(FeatureDrafterProposer):
             keep = keep.gather(1, order) if keep is not None else None
             # node j is node i or an ancestor of i when i's key starts with j's digits: key_j <= key_i < key_j + span_j
             # (span: the key range of a subtree, (top_k + 1) ** (depth - depth_j)); the root (key 0) spans all
-            spans = self._spans(score.shape[1], dev)  # the root's: a depth-1 candidate's times top_k + 1 (a tensor
-            # product: a power of a size traced with dynamic shapes is more than inductor's code generation takes)
+            # (the root's span: a depth-1 candidate's times top_k + 1, a tensor product: a power of a size traced
+            # with dynamic shapes is more than inductor's code generation takes)
             node_key = torch.cat([node_key.new_zeros(bsz, 1), node_key], 1)  # [B, W + 1] with the root
             span = torch.cat([(spans[:1] * (top_k + 1)).expand(bsz, 1), spans[nodes]], 1)
             ancestors = (node_key[:, :, None] >= node_key[:, None, :]) & \
                 (node_key[:, :, None] < (node_key + span)[:, None, :])
-        slot = torch.zeros(bsz, score.shape[1] + 1, dtype=torch.long, device=dev)  # tree slot of 1 + each candidate
+        slot = torch.zeros(bsz, tok.shape[1] + 1, dtype=torch.long, device=dev)  # tree slot of 1 + each candidate
         slot.scatter_(1, nodes + 1, torch.arange(1, width + 1, device=dev).expand(bsz, -1))
         parents = slot.gather(1, parent.gather(1, nodes))
         tokens = self.drafter.draft_to_target(tok.gather(1, nodes))
         depths = depth[nodes]
         if keep is not None:
             parents, tokens, depths = parents * keep, tokens * keep, depths * keep
-        root, out = state.roots(), state.device
-        if top_k == 1:  # a chain: the verifier's fast path
-            return DraftTree.chain(root, tokens.to(out), counts)
-        valid = torch.ones(bsz, width + 1, dtype=torch.bool, device=out)
+        valid = torch.ones(bsz, width + 1, dtype=torch.bool, device=dev)
         if keep is not None:
             valid[:, 1:] = keep
         if ancestors is not None:
-            ancestors = ancestors.to(out) & valid[:, None, :]
+            ancestors = ancestors & valid[:, None, :]
             if keep is not None:
                 ancestors[:, :, 0] = True  # a padding node below the root, as the tree's own rule has it
-        return DraftTree(tokens=torch.cat([root[:, None], tokens.to(out)], 1),
-                         parents=torch.cat([root.new_full((bsz, 1), -1), parents.to(out)], 1), valid=valid,
-                         host_depth=self._depth_of(score.shape[1]),
-                         _depths=torch.cat([root.new_zeros((bsz, 1)), depths.to(out)], 1), _ancestors=ancestors)
+        root = root[:, None]
+        return (torch.cat([root, tokens], 1), torch.cat([torch.full_like(root, -1), parents], 1), valid,
+                torch.cat([torch.zeros_like(root), depths], 1), ancestors)
+
+    def _draft_tree(self, state, parts, depth: int, counts: list[int]) -> DraftTree:
+        """The :class:`~hf_specdec.tree.DraftTree` of :meth:`_tree_parts`' tensors (``depth``: its deepest node's, on
+        the host), on the loop's device (a chain when ``top_k`` is 1: the verifier's fast path)."""
+        out = state.device
+        tokens, parents, valid, depths, ancestors = (None if t is None else t.to(out) for t in parts)
+        if self.top_k == 1:
+            return DraftTree.chain(tokens[:, 0], tokens[:, 1:], counts)
+        return DraftTree(tokens=tokens, parents=parents, valid=valid, host_depth=depth, _depths=depths,
+                         _ancestors=ancestors)
 
     @host_side
-    def _paying_counts(self, state, probs: torch.Tensor, keep_n: int, depths: int, counts: list[int]) -> list[int]:
+    def _paying_counts(self, state, probs: torch.Tensor, keep_n: int, depths: int, counts: list[int],
+                       stride: int | None = None) -> list[int]:
         """How many of its best candidates each row verifies: the proposal's one host read (``probs``: each row's
-        best ``keep_n`` candidates' probabilities, then each row's best node per depth), the decisions made on the
-        host (never traced: a compiled proposal would guard on the floats)."""
-        bsz = len(counts)
+        best ``stride`` (default ``keep_n``) candidates' probabilities, then each row's best node per depth, of which
+        the first ``depths`` count), the decisions made on the host (never traced: a compiled proposal would guard on
+        the floats)."""
+        bsz, stride = len(counts), stride or keep_n
         host = probs.tolist()  # the proposal's one read
-        reach = [host[b * keep_n:b * keep_n + counts[b]] for b in range(bsz)]
-        self._judge_depths(state, [host[bsz * keep_n + b * depths:bsz * keep_n + (b + 1) * depths]
+        reach = [host[b * stride:b * stride + counts[b]] for b in range(bsz)]
+        per_row = (len(host) - bsz * stride) // bsz  # the best nodes' depths (padded ones past ``depths``)
+        self._judge_depths(state, [host[bsz * stride + b * per_row:bsz * stride + b * per_row + depths]
                                    for b in range(bsz)])
         counts = [min(c, self._pays(state, r)) for c, r in zip(counts, reach)]
         for r, c in zip(reach, counts):
@@ -662,17 +764,21 @@ class Eagle3Proposer(FeatureDrafterProposer):
                          for m in state.max_drafts]
 
     @host_side
-    def _spans(self, candidates: int, device) -> torch.Tensor:
+    def _spans(self, candidates: int, device, pad_to: int = 0) -> torch.Tensor:
         """``[C]`` the key range of each candidate's subtree, ``(top_k + 1) ** (depth of the tree - its depth)``
         (cached with :meth:`_candidates`; host-side: traced, a ``top_k`` that dynamo made a symbol after calls with
-        other trees was a power inductor cannot generate code for)."""
+        other trees was a power inductor cannot generate code for); padded with ones to ``pad_to`` candidates."""
         max_depth = self._depth_of(candidates)
         depth = self._candidates(max_depth)[0]
         cache = self._candidate_facts
-        key = (str(device), max_depth, "span")
+        key = (str(device), max_depth, "span", pad_to)
         if key not in cache:
-            cache[key] = (self.top_k + 1) ** (max_depth - depth)
+            cache[key] = F.pad((self.top_k + 1) ** (max_depth - depth), (0, max(pad_to - candidates, 0)), value=1)
         return cache[key]
+
+    def _count(self, max_depth: int) -> int:
+        """The candidates of a tree of ``max_depth`` (host arithmetic)."""
+        return self.top_k + (max_depth - 1) * self.top_k * self.top_k
 
     def _depth_of(self, candidates: int) -> int:
         """The depth of a tree of ``candidates`` candidates (host arithmetic)."""

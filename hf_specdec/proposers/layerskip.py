@@ -7,6 +7,8 @@ frozen), through the adapter and the head. The early layers' keys/values of the 
 target's one cache as they are computed, and the chain is returned with their layer-``E`` hidden states
 (:class:`~hf_specdec.tree.Resume`): verification then runs layers ``0..E-1`` for the last draft only and layers
 ``E..N-1`` for all, so no early layer runs twice for a token and the cache holds each early-layer key/value once.
+Drafting at fixed shapes (``compile=True``), the last draft's early layers run with the drafting too, so that the
+verification is layers ``E..N-1`` alone over the tree padded to its width (one CUDA graph on a GPU).
 After acceptance the loop cuts every layer back to the accepted path, as for any method.
 
 The target decides every token, so the output is the target's: greedy equals ``generate(do_sample=False)``, sampling
@@ -28,6 +30,7 @@ from transformers.cache_utils import DynamicCache
 from .. import cache as cache_ops
 from ..attention import additive
 from ..compiled import FEED_BUCKETS_UP_TO, FEED_SIZES, feed_rows
+from ..coupling import apply_warpers
 from ..costs import AcceptanceEstimator, RecentMinimum, best_draft_length
 from ..default_model import MODEL_ID as SMOLLM2
 from ..modeling.layerskip import ExitAdapter
@@ -75,7 +78,6 @@ class LayerSkipProposer(Proposer):
     """
 
     name = "layerskip"
-    resumes_verification = True
     # its drafting writes the early layers' keys/values into the target's cache: its chains verify only as they
     # are, never merged with another source's rows (hybrid drafting takes that source for all rows or none)
     merges_rows = False
@@ -131,14 +133,45 @@ class LayerSkipProposer(Proposer):
     def _step_region(self, current, valid, root_positions, start, column):
         """One drafting step: token ``current [B]`` at cache column ``column [1]`` (position ``root_positions [B] +
         column - start``) through layers ``0..E-1`` over the call's static cache, seeing the layout's columns (``valid
-        [B, W]``) and the chain's ``start [1]..column``; each early layer's write position set to ``column`` first, so
-        that every run writes the same. Returns the exit's hidden state ``[B, 1, H]`` and logits ``[B, V]`` (fp32)."""
+        [B, W]`` before ``start``) and the chain's ``start [1]..column``; each early layer's write position set to
+        ``column`` first, so that every run writes the same. Returns the exit's hidden state ``[B, 1, H]`` and logits
+        ``[B, V]`` (fp32)."""
+        hidden, positions, sees = self._early_layers(current, valid, root_positions, start, column)
+        if self.adapter is None:
+            return hidden, self.stack.logits(hidden)[:, -1]
+        self.adapter_cache.at = column  # its scratch column (the last) is never seen
+        seen = torch.nn.functional.pad(sees, (0, 1))
+        normed = self.adapter(hidden, positions, additive(seen, self.adapter_dtype)[:, None, None], self.adapter_cache)
+        return hidden, self._adapter_logits(normed)
+
+    def _draw_region(self, current, valid, root_positions, start, column, noise, processors, sample: bool):
+        """:meth:`_step_region` and the draft drawn from its logits in the same region, as :func:`next_draft` draws
+        one without logits processors: under coupled sampling through the call's warpers (``processors``) plus the
+        drafted position's noise (``noise [B, K, V]``, the chain's positions; ``None``: not coupled), then drawn
+        (``sample``) or the argmax. Returns the exit's hidden state ``[B, 1, H]``, the drafts ``[B]``, their
+        distribution ``[B, V]`` and the best row's probability of its draft (what the adaptive stop reads)."""
+        hidden, logits = self._step_region(current, valid, root_positions, start, column)
+        if noise is not None:
+            logits = apply_warpers(processors, logits) + noise.index_select(1, column - start)[:, 0]
+        probs = torch.softmax(logits, dim=-1)
+        token = torch.multinomial(probs, 1)[:, 0] if sample else logits.argmax(-1)
+        return hidden, token, probs, _confidence(probs, token)
+
+    def _early_region(self, current, valid, root_positions, start, column):
+        """:meth:`_step_region`'s early layers alone (no read-out): the last draft's, so that the verification resumes
+        every node of the chain from the exit (at fixed shapes: :meth:`~hf_specdec.compiled.CompiledSession.verify`).
+        Returns its exit hidden state ``[B, 1, H]``."""
+        return self._early_layers(current, valid, root_positions, start, column)[0]
+
+    def _early_layers(self, current, valid, root_positions, start, column):
+        """``(exit hidden [B, 1, H], positions [B, 1], sees [B, W])`` of token ``current`` through layers ``0..E-1``
+        at ``column`` (as :meth:`_step_region` describes)."""
         stack = self.stack
         for layer in self._cache.layers[:self.exit_layer]:
             length = static_layer_length(layer)
             length.copy_(column.view_as(length))
         cols = torch.arange(valid.shape[1], device=valid.device)
-        sees = valid | ((cols >= start) & (cols <= column))
+        sees = (valid & (cols < start)) | ((cols >= start) & (cols <= column))
         mask = additive(sees, stack.model.dtype)
         positions = root_positions[:, None] + (column - start)
         hidden = stack.embed(current[:, None])
@@ -146,12 +179,7 @@ class LayerSkipProposer(Proposer):
         hidden = stack.run(hidden, 0, self.exit_layer, mask[:, None, None], stack.rotary(hidden, positions), positions,
                            self._cache)
         capture_restore(token)
-        if self.adapter is None:
-            return hidden, stack.logits(hidden)[:, -1]
-        self.adapter_cache.at = column  # its scratch column (the last) is never seen
-        seen = torch.nn.functional.pad(sees, (0, 1))
-        normed = self.adapter(hidden, positions, additive(seen, self.adapter_dtype)[:, None, None], self.adapter_cache)
-        return hidden, self._adapter_logits(normed)
+        return hidden, positions, sees
 
     def _adapter_logits(self, normed) -> torch.Tensor:
         """The adapter's draft logits ``[B, V]`` (fp32, the target's vocabulary: tokens outside the draft vocabulary at
@@ -300,9 +328,10 @@ class LayerSkipProposer(Proposer):
         return self._reach * self._alpha < extra
 
     @host_side
-    def _note_confidence(self, probs: torch.Tensor, tokens: torch.LongTensor) -> None:
-        """The adaptive stop's read of the best row's confidence in its draft (rows draft in lockstep)."""
-        self._last = float(probs.gather(1, tokens[:, None]).max())
+    def _note_confidence(self, confidence: torch.Tensor) -> None:
+        """The adaptive stop's read of the best row's confidence in its draft (rows draft in lockstep: :func:`
+        _confidence`)."""
+        self._last = float(confidence)
         self._reach *= self._last
 
     def propose(self, state):
@@ -323,18 +352,30 @@ class LayerSkipProposer(Proposer):
             self._cache = cache
             if self.adapter is not None and not isinstance(self.adapter_cache, cache_ops.FixedDraftCache):
                 self._take_fixed_adapter_cache(state)
-            region = self._fixed.fixed(type(self)._step_region)
-            columns = to_device(list(range(layout.length, layout.length + k)), state.device)
-            valid = self._fixed.fused(_padded)(layout.valid, kv_width)
+            # the draft drawn in the step's region, unless logits processors read each row's ids (then as eagerly)
+            region = self._fixed.fixed(type(self)._step_region if process else type(self)._draw_region)
+            last = self._fixed.fixed(type(self)._early_region)
+            columns = to_device(list(range(layout.length, layout.length + k + 1)), state.device)
+            # the layout's columns as wide as the cache: a buffered layout's buffer
+            valid = layout.buffers[0] if isinstance(layout, cache_ops.BufferedLayout) else \
+                self._fixed.fused(_padded)(layout.valid, kv_width)
+            draw = () if process else (*((state.noise(self.max_tokens), state.processors) if state.coupling is not None
+                                         else (None, None)), state.do_sample)
             # compiled (on a GPU captured) before the timed steps, which the length rule reads: the first step's own
             # inputs, so the run writes what that step writes
-            region.warm(self, "step", [0], lambda _: region(self, current, valid, state.root_positions, columns[:1],
-                                                           columns[:1]))
+            region.warm(self, ("step", len(draw)), [0], lambda _: region(
+                self, current, valid, state.root_positions, columns[:1], columns[:1], *draw))
+            last.warm(self, "step", [0], lambda _: last(self, current, valid, state.root_positions, columns[:1],
+                                                         columns[:1]))
         for j in range(k):
             if j > 0 and self.num_tokens is None and self._stops(j):
                 break
             t0 = time.perf_counter()
-            if self._fixed is not None:
+            confidence = None
+            if self._fixed is not None and draw:
+                hidden, current, p, confidence = region(self, current, valid, state.root_positions, columns[:1],
+                                                        columns[j:j + 1], *draw)
+            elif self._fixed is not None:
                 hidden, logits = region(self, current, valid, state.root_positions, columns[:1], columns[j:j + 1])
             else:
                 # token j of the chain (the root, then drafts) at column layout.length + j, after the chain so far
@@ -348,18 +389,21 @@ class LayerSkipProposer(Proposer):
                 hidden = stack.run(hidden, 0, self.exit_layer, mask, stack.rotary(hidden, pos), pos, cache)
                 logits = self._exit_logits(state, hidden, past_valid, past_pos, pos)
             exits.append(hidden)
-            current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
+            if confidence is None:
+                current, p = next_draft(state, logits, prefixes, drafts, process, want_probs=True)
             if state.do_sample:
                 probs.append(p)
             if self.num_tokens is None:  # a fixed length reads none
-                self._note_confidence(p, current)
+                self._note_confidence(confidence if confidence is not None else _confidence(p, current))
             drafts.append(current)
             self.step_times.add(time.perf_counter() - t0)
         k = len(drafts)
         self.fed = k  # the root and drafts[:k-1] went through the early layers (and the adapter)
+        if self._fixed is not None:  # the last draft's early layers too: the verification resumes every node
+            exits.append(last(self, current, valid, state.root_positions, columns[:1], columns[k:k + 1]))
         counts = [min(b, k) for b in budgets]
         tree = DraftTree.chain(roots, torch.stack(drafts, 1), counts, torch.stack(probs, 1) if probs else None)
-        tree.resume = Resume(layer=self.exit_layer, hidden=torch.cat(exits, 1))
+        tree.resume = Resume(layer=self.exit_layer, hidden=torch.cat(exits, 1), max_nodes=self.max_nodes)
         return tree
 
     # ---- after verification
@@ -410,6 +454,11 @@ def _adapter_feed_inputs(exits, positions, valid, start: int, rows: int, width: 
     return (torch.nn.functional.pad(exits, (0, 0, 0, pad)),
             torch.nn.functional.pad(positions[:, start:start + n], (0, pad)), columns,
             torch.nn.functional.pad(valid, (0, width - length)))
+
+
+def _confidence(probs: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+    """The best row's probability of its draft (``probs [B, V]``, ``tokens [B]``), a 0-dimensional tensor."""
+    return probs.gather(1, tokens[:, None]).max()
 
 
 def _padded(valid: torch.BoolTensor, width: int) -> torch.BoolTensor:
