@@ -87,10 +87,9 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(CompiledRunner, "backend", "eager")
 
 
-# the loop's own functions of the step's tensors, which run as fixed-shape regions under compile=True (a CUDA graph
-# each on a GPU) where the step allows it: every method but LayerSkip, whose verification resumes from its early exit
-# the dynamic regions a compiled step may still run: a draft model's feed of more rows than the feeds' buckets (the
-# prompt's) and coupled sampling's uniforms (one elementwise kernel over the step's new positions: docs/gpu.md)
+# under compile=True the step's parts run as fixed-shape regions (a CUDA graph each on a GPU); the dynamic regions a
+# compiled step may still run: a draft model's feed of more rows than the feeds' buckets (the prompt's) and coupled
+# sampling's uniforms (one elementwise kernel over the step's new positions: docs/gpu.md)
 DYNAMIC_LEFT = {"_fixed_feed_inputs", "uniforms_of"}
 
 
