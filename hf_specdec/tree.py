@@ -136,20 +136,17 @@ class DraftTree:
             valid, depths = rows >= 0, rows.clamp(min=0)  # padding nodes: depth 0
         else:
             tokens, valid, depths, probs = chain_tensors(root, drafts, num_drafts.to(device), draft_probs)
-        tree = cls.chain_of(tokens, valid, depths, probs, counts)
-        if counts is None:
-            tree.host_drafts, tree.host_depth = None, k
-        return tree
+        return cls.chain_of(tokens, valid, depths, probs, counts)
 
     @classmethod
     def chain_of(cls, tokens: torch.LongTensor, valid: torch.BoolTensor, depths: torch.LongTensor,
                  draft_probs: torch.Tensor | None, counts: list[int] | None) -> "DraftTree":
         """A chain of :func:`chain_tensors` (made elsewhere: a fixed-shape region) and the rows' counts of real drafts
-        on the host."""
+        on the host (``None``: not known there; the chain is then as deep as it is long)."""
         tree = cls(tokens=tokens, parents=_chain_parents(*tokens.shape, tokens.device), valid=valid,
                    draft_probs=draft_probs, is_chain=True, _depths=depths)
         tree.host_drafts = None if counts is None else [int(c) for c in counts]
-        tree.host_depth = max(tree.host_drafts or [], default=0)
+        tree.host_depth = tokens.shape[1] - 1 if counts is None else max(tree.host_drafts, default=0)
         return tree
 
     def packed(self, width: int, zeros: torch.LongTensor | None = None) -> torch.LongTensor:

@@ -84,8 +84,15 @@ def next_draft(state, logits: torch.Tensor, prefixes, drafts: list, process, wan
             process(b, torch.cat([prefixes[b]] + [d[b:b + 1] for d in drafts])[None], logits[b:b + 1])
             for b in range(logits.shape[0])
         ])
-    probs = torch.softmax(logits, dim=-1) if state.do_sample or want_probs else None
-    tokens = torch.multinomial(probs, 1)[:, 0] if state.do_sample else logits.argmax(-1)
+    return draw(logits, state.do_sample, want_probs)
+
+
+def draw(scores: torch.Tensor, sample: bool, want_probs: bool = True):
+    """:func:`next_draft`'s draw from ``scores [B, V]`` (processed, perturbed): ``(tokens [B], probs [B, V] or
+    None)``, drawn from their softmax when ``sample``, else the argmax; ``probs`` when ``sample`` or ``want_probs``.
+    Tensor operations only: a fixed-shape region draws with it too (LayerSkip's drafting step)."""
+    probs = torch.softmax(scores, dim=-1) if sample or want_probs else None
+    tokens = torch.multinomial(probs, 1)[:, 0] if sample else scores.argmax(-1)
     return tokens, probs
 
 

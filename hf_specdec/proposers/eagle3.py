@@ -637,11 +637,6 @@ class Eagle3Proposer(FeatureDrafterProposer):
         past a row's count not valid; the verification runs at that bucket anyway). Every width and both kinds of
         budgets compile on first use."""
         score, tok, parent, key, best = out
-        if self.top_k == 1:  # a chain: the verifier's fast path, cut to the longest row
-            return self._fixed.fused(type(self)._select)(self, state, score[:, :max_depth], tok[:, :max_depth],
-                                                         parent[:, :max_depth], self._candidates(max_depth)[0],
-                                                         None if key is None else key[:, :max_depth],
-                                                         None if best is None else best[:, :max_depth])
         dev, most = score.device, min(self.total_tokens - 1, score.shape[1])
         keep_n = min(self.total_tokens - 1, self._count(max_depth))
         budgets, counts = self._budgets(state, max_depth, keep_n)

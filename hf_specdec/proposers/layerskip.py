@@ -40,7 +40,7 @@ from ..stack import DecoderStack
 from .._transformers import capture_off, capture_restore, static_layer_length
 from ..tree import DraftTree, Resume, additive_mask, build_attention_mask
 from ..syncs import host_side, to_device
-from .base import Carried, Proposer, next_draft, rules_of
+from .base import Carried, Proposer, draw, next_draft, rules_of
 from .hybrid import HYBRID
 
 CONSTANT_TOKENS = 4  # draft_length_schedule="constant" when num_speculative_tokens is not given
@@ -153,8 +153,7 @@ class LayerSkipProposer(Proposer):
         hidden, logits = self._step_region(current, valid, root_positions, start, column)
         if noise is not None:
             logits = apply_warpers(processors, logits) + noise.index_select(1, column - start)[:, 0]
-        probs = torch.softmax(logits, dim=-1)
-        token = torch.multinomial(probs, 1)[:, 0] if sample else logits.argmax(-1)
+        token, probs = draw(logits, sample)
         return hidden, token, probs, _confidence(probs, token)
 
     def _early_region(self, current, valid, root_positions, start, column):
@@ -359,12 +358,15 @@ class LayerSkipProposer(Proposer):
             # the layout's columns as wide as the cache: a buffered layout's buffer
             valid = layout.buffers[0] if isinstance(layout, cache_ops.BufferedLayout) else \
                 self._fixed.fused(_padded)(layout.valid, kv_width)
-            draw = () if process else (*((state.noise(self.max_tokens), state.processors) if state.coupling is not None
-                                         else (None, None)), state.do_sample)
+            drawing = ()  # what _draw_region draws with: coupled sampling's noise and warpers, whether it samples
+            if not process:
+                coupled = state.coupling is not None
+                drawing = (state.noise(self.max_tokens) if coupled else None, state.processors if coupled else None,
+                           state.do_sample)
             # compiled (on a GPU captured) before the timed steps, which the length rule reads: the first step's own
             # inputs, so the run writes what that step writes
-            region.warm(self, ("step", len(draw)), [0], lambda _: region(
-                self, current, valid, state.root_positions, columns[:1], columns[:1], *draw))
+            region.warm(self, ("step", len(drawing)), [0], lambda _: region(
+                self, current, valid, state.root_positions, columns[:1], columns[:1], *drawing))
             last.warm(self, "step", [0], lambda _: last(self, current, valid, state.root_positions, columns[:1],
                                                          columns[:1]))
         for j in range(k):
@@ -372,9 +374,9 @@ class LayerSkipProposer(Proposer):
                 break
             t0 = time.perf_counter()
             confidence = None
-            if self._fixed is not None and draw:
+            if self._fixed is not None and drawing:
                 hidden, current, p, confidence = region(self, current, valid, state.root_positions, columns[:1],
-                                                        columns[j:j + 1], *draw)
+                                                        columns[j:j + 1], *drawing)
             elif self._fixed is not None:
                 hidden, logits = region(self, current, valid, state.root_positions, columns[:1], columns[j:j + 1])
             else:
